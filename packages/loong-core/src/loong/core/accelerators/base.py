@@ -1,0 +1,74 @@
+"""The accelerator seam: everything hardware-specific lives behind this interface."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+
+
+class Accelerator:
+    """One kind of hardware. Subclasses are registered under entry-point group ``loong.accelerators``.
+
+    Attributes:
+        name: the value of ``LOONG_ACCELERATOR`` that selects it.
+        device_type: the torch device type (``cuda``, ``cpu``, ...).
+        backend: the torch.distributed backend (``nccl``, ``gloo``, ...).
+        priority: higher wins when several are available and none is requested.
+    """
+
+    name: str = "base"
+    device_type: str = "cpu"
+    backend: str = "gloo"
+    priority: int = 0
+
+    @classmethod
+    def is_available(cls) -> bool:
+        """Whether this hardware is usable in this process."""
+        raise NotImplementedError
+
+    def device(self, local_rank: int = 0) -> torch.device:
+        """The torch device that ``local_rank`` uses."""
+        return torch.device(self.device_type)
+
+    def set_device(self, local_rank: int) -> None:
+        """Bind this process to its device."""
+
+    def manual_seed(self, seed: int) -> None:
+        """Seed the host and device generators."""
+        torch.manual_seed(seed)
+
+    def synchronize(self) -> None:
+        """Wait for queued device work (for timing)."""
+
+    def default_dtype(self) -> torch.dtype:
+        """The training dtype when ``train.precision=auto``."""
+        return torch.float32
+
+    def peak_flops(self, dtype: torch.dtype) -> float | None:
+        """Dense peak FLOP/s of one device in ``dtype`` (for MFU); None when unknown."""
+        return None
+
+    def max_memory_allocated(self) -> int | None:
+        """Peak bytes allocated on the device since the last reset; None when not tracked."""
+        return None
+
+    def reset_peak_memory(self) -> None:
+        """Reset the peak-memory counter."""
+
+    def megatron_config_overrides(self) -> dict:
+        """TransformerConfig fields this hardware needs (e.g. initialising weights on the host)."""
+        return {}
+
+    def capabilities(self) -> set[str]:
+        """Optional features present (e.g. ``flash_attn``, ``fp8``, ``triton``)."""
+        return set()
+
+    @contextlib.contextmanager
+    def activate(self) -> Iterator[None]:
+        """Enter the state the training stack needs on this hardware (adaptations, modes)."""
+        yield
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(name={self.name!r})"

@@ -1,0 +1,65 @@
+"""NVIDIA GPUs through CUDA and NCCL."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import torch
+
+from loong.core.accelerators.base import Accelerator
+
+# Dense bf16/fp16 tensor-core peaks per device (vendor datasheets, SXM parts, no sparsity).
+_PEAK_BF16 = {"H200": 989e12, "H100": 989e12, "H800": 989e12, "H20": 148e12, "A100": 312e12,
+              "A800": 312e12, "B200": 2250e12, "L40S": 362e12, "L4": 121e12}
+
+
+class CUDAAccelerator(Accelerator):
+    """CUDA devices: NCCL collectives, bf16 by default, memory and peak-FLOP reporting."""
+
+    name = "cuda"
+    device_type = "cuda"
+    backend = "nccl"
+    priority = 100
+
+    @classmethod
+    def is_available(cls) -> bool:
+        return torch.cuda.is_available()
+
+    def device(self, local_rank: int = 0) -> torch.device:
+        return torch.device("cuda", local_rank)
+
+    def set_device(self, local_rank: int) -> None:
+        torch.cuda.set_device(local_rank)
+
+    def manual_seed(self, seed: int) -> None:
+        torch.manual_seed(seed)
+        torch.cuda.manual_seed_all(seed)
+
+    def synchronize(self) -> None:
+        torch.cuda.synchronize()
+
+    def default_dtype(self) -> torch.dtype:
+        return torch.bfloat16
+
+    def peak_flops(self, dtype: torch.dtype) -> float | None:
+        name = torch.cuda.get_device_name()
+        for key, flops in _PEAK_BF16.items():
+            if key in name:
+                return flops if dtype in (torch.bfloat16, torch.float16) else flops / 16
+        return None
+
+    def max_memory_allocated(self) -> int | None:
+        return torch.cuda.max_memory_allocated()
+
+    def reset_peak_memory(self) -> None:
+        torch.cuda.reset_peak_memory_stats()
+
+    def capabilities(self) -> set[str]:
+        caps = {"triton", "sdpa"}
+        if importlib.util.find_spec("transformer_engine") is not None:
+            caps.add("transformer_engine")
+        if importlib.util.find_spec("flash_attn") is not None:
+            caps.add("flash_attn")
+        if torch.cuda.get_device_capability() >= (8, 9):
+            caps.add("fp8")
+        return caps

@@ -1,0 +1,109 @@
+"""The CLI kit: a modality's command is a few lines over :func:`make_cli`."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import warnings
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from loong.core.errors import LoongError
+
+
+@dataclass
+class Command:
+    """A sub-command: ``setup(parser)`` adds arguments, ``run(args) -> exit code``."""
+
+    help: str
+    setup: Callable[[argparse.ArgumentParser], None]
+    run: Callable[[argparse.Namespace], int]
+
+
+def quiet_third_party() -> None:
+    """Silence import-time chatter (no TE/apex, deprecations) so the user sees Loong's own output."""
+    warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine|TE|apex).*")
+    warnings.filterwarnings("ignore", category=DeprecationWarning)
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    warnings.filterwarnings("ignore", category=UserWarning, module="megatron")
+    for name in ("megatron", "megatron.core", "torch.distributed", "torch.utils.cpp_extension"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def relaunch(nproc: int, module: str, argv: Sequence[str]) -> int:
+    """Start ``python -m module argv`` in ``nproc`` processes through torch.distributed.run."""
+    from torch.distributed.run import main as torchrun
+
+    args = ["--standalone", f"--nproc-per-node={nproc}", "-m", module, *argv]
+    try:
+        torchrun(args)
+    except SystemExit as exc:  # torchrun exits non-zero when a worker fails
+        return int(exc.code or 0)
+    except Exception as exc:  # ChildFailedError: workers already printed their error
+        print(f"error: {type(exc).__name__}: a worker failed", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _strip_nproc(argv: list[str]) -> tuple[int, list[str]]:
+    """Remove ``--nproc-per-node N`` / ``--nproc-per-node=N`` from argv; return N (0 if absent)."""
+    out, nproc, i = [], 0, 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg == "--nproc-per-node" and i + 1 < len(argv):
+            nproc, i = int(argv[i + 1]), i + 2
+            continue
+        if arg.startswith("--nproc-per-node="):
+            nproc = int(arg.split("=", 1)[1])
+        else:
+            out.append(arg)
+        i += 1
+    return nproc, out
+
+
+def make_cli(prog: str, description: str, module: str, commands: dict[str, Command],
+             epilog: Callable[[], str] | None = None) -> Callable[[Sequence[str] | None], int]:
+    """Build ``main(argv) -> exit code`` for a modality command.
+
+    ``module`` is the importable CLI module (used to relaunch under torchrun). Every command accepts
+    ``--nproc-per-node N``; outside torchrun it relaunches itself in N processes.
+    """
+
+    def main(argv: Sequence[str] | None = None) -> int:
+        quiet_third_party()
+        argv = list(sys.argv[1:] if argv is None else argv)
+        nproc, rest = _strip_nproc(argv)
+        if nproc > 1 and "LOCAL_RANK" not in os.environ:
+            return relaunch(nproc, module, rest)
+        parser = argparse.ArgumentParser(
+            prog=prog, description=description, formatter_class=argparse.RawDescriptionHelpFormatter,
+            epilog=epilog() if epilog else None,
+        )
+        parser.add_argument("--nproc-per-node", type=int, default=0,
+                            help="processes on this node; relaunches through torch.distributed.run")
+        sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+        for name, cmd in commands.items():
+            p = sub.add_parser(name, help=cmd.help, description=cmd.help,
+                               formatter_class=argparse.RawDescriptionHelpFormatter,
+                               epilog=epilog() if epilog else None)
+            cmd.setup(p)
+            p.set_defaults(_run=cmd.run)
+        args = parser.parse_args(rest)
+        if not getattr(args, "_run", None):
+            parser.print_help()
+            return 0
+        try:
+            return int(args._run(args) or 0)
+        except LoongError as exc:
+            if os.environ.get("RANK", "0") == "0":
+                print(f"error: {exc}", file=sys.stderr)
+            return 2
+        except KeyboardInterrupt:
+            print("interrupted", file=sys.stderr)
+            return 130
+
+    return main

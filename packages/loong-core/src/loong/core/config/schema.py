@@ -1,0 +1,183 @@
+"""Typed run schemas and a validator that names the dotted path and the closest valid key."""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from loong.core.errors import LoongError, did_you_mean
+
+
+@dataclass
+class ParallelConfig:
+    """Parallel layout of one model component. ``dp`` is derived: world / (tp * pp * cp)."""
+
+    tp: int = 1
+    pp: int = 1
+    vpp: int | None = None
+    cp: int = 1
+    ep: int = 1
+    etp: int | None = None
+    sequence_parallel: bool = False
+
+
+@dataclass
+class DataConfig:
+    """Where training text comes from. ``path=None`` uses the corpus shipped in the package."""
+
+    path: str | None = None
+    format: Literal["auto", "text", "jsonl"] = "auto"
+    text_field: str = "text"
+    tokenizer: str | None = None
+    valid_fraction: float = 0.05
+
+
+@dataclass
+class TrainConfig:
+    """The optimisation schedule, batch shape, cadences and run-level switches."""
+
+    steps: int = 200
+    seq_length: int = 128
+    global_batch_size: int = 16
+    micro_batch_size: int = 4
+    lr: float = 3e-3
+    min_lr: float = 3e-4
+    warmup_steps: int = 10
+    lr_decay_style: Literal["cosine", "linear", "constant"] = "cosine"
+    weight_decay: float = 0.1
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.95
+    adam_eps: float = 1e-8
+    clip_grad: float = 1.0
+    seed: int = 1234
+    precision: Literal["auto", "bf16", "fp32"] = "auto"
+    distributed_optimizer: bool = True
+    log_interval: int = 1
+    eval_interval: int = 50
+    eval_iters: int = 2
+    save_interval: int = 0
+    keep_last: int = 2
+    resume: str = "auto"
+    save_hf: bool = False
+    progress: bool = True
+    time_limit_s: float = 0.0
+
+
+@dataclass
+class RunConfig:
+    """The root of a run's config. Modalities subclass it to type ``model`` with their schema."""
+
+    task: str = "llm.pretrain"
+    engine: str = "megatron"
+    run_name: str | None = None
+    output_dir: str = "outputs"
+    model: Any = None
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+
+
+def _type_name(tp: Any) -> str:
+    return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
+
+
+def _coerce(value: Any, tp: Any, path: str) -> Any:
+    """Check ``value`` against annotation ``tp`` (light coercion: int→float), raising LoongError."""
+    origin = typing.get_origin(tp)
+    if tp is Any:
+        return value
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _coerce(value, arg, path)
+            except LoongError as exc:
+                errors.append(str(exc))
+        raise LoongError(errors[0] if errors else f"{path}: invalid value {value!r}")
+    if origin is Literal:
+        choices = typing.get_args(tp)
+        if value not in choices:
+            extra = did_you_mean(str(value), [str(c) for c in choices])
+            raise LoongError(f"{path}: {value!r} is not one of {list(choices)}{extra}")
+        return value
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(value, dict):
+            raise LoongError(f"{path}: expected a mapping, got {value!r}")
+        return from_dict(tp, value, path)
+    if origin in (list, tuple):
+        if not isinstance(value, (list, tuple)):
+            raise LoongError(f"{path}: expected a list, got {value!r}")
+        (item_tp, *_) = typing.get_args(tp) or (Any,)
+        return [_coerce(v, item_tp, f"{path}[{i}]") for i, v in enumerate(value)]
+    if origin is dict or tp is dict:
+        if not isinstance(value, dict):
+            raise LoongError(f"{path}: expected a mapping, got {value!r}")
+        return dict(value)
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        raise LoongError(f"{path}: expected true/false, got {value!r}")
+    if tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        raise LoongError(f"{path}: expected an integer, got {value!r}")
+    if tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        raise LoongError(f"{path}: expected a number, got {value!r}")
+    if tp is str:
+        if isinstance(value, str):
+            return value
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return str(value)
+        raise LoongError(f"{path}: expected a string, got {value!r}")
+    return value
+
+
+def from_dict(cls: type, data: dict, path: str = "") -> Any:
+    """Build dataclass ``cls`` from ``data``; unknown keys fail with their dotted path and closest key."""
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    kwargs = {}
+    for key, value in data.items():
+        dotted = f"{path}.{key}" if path else str(key)
+        if key not in names:
+            raise LoongError(f"unknown config key '{dotted}'{did_you_mean(str(key), names)}")
+        kwargs[key] = _coerce(value, hints[key], dotted)
+    obj = cls(**kwargs)
+    check = getattr(obj, "validate", None)
+    if callable(check):
+        check(path or cls.__name__)
+    return obj
+
+
+def to_dict(obj: Any) -> Any:
+    """Dataclass tree → plain dict (for saving the resolved config)."""
+    if dataclasses.is_dataclass(obj):
+        return {f.name: to_dict(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+    if isinstance(obj, (list, tuple)):
+        return [to_dict(v) for v in obj]
+    if isinstance(obj, dict):
+        return {k: to_dict(v) for k, v in obj.items()}
+    return obj
+
+
+def schema_keys(cls: type, prefix: str = "") -> list[str]:
+    """Every dotted key a schema accepts (used to suggest the closest key for a bad override)."""
+    out = []
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        dotted = f"{prefix}{f.name}"
+        out.append(dotted)
+        tp = hints[f.name]
+        if dataclasses.is_dataclass(tp):
+            out.extend(schema_keys(tp, dotted + "."))
+    return out

@@ -1,0 +1,42 @@
+"""The engine interface the trainer drives."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+
+@dataclass
+class StepMetrics:
+    """What one optimiser step reports (loss is meaningful on the logging rank)."""
+
+    loss: float
+    grad_norm: float | None = None
+    lr: float = 0.0
+    skipped: bool = False
+    extra: dict[str, float] = field(default_factory=dict)
+
+
+class Engine(ABC):
+    """Owns the model chunks, optimiser and LR schedule of a run."""
+
+    model_chunks: list[torch.nn.Module]
+
+    @abstractmethod
+    def train_step(self, step: int) -> StepMetrics:
+        """One optimiser step on global batch ``step``."""
+
+    @abstractmethod
+    def eval_loss(self, iters: int) -> float | None:
+        """Mean loss over ``iters`` evaluation batches (None when there is no eval data)."""
+
+    @abstractmethod
+    def save(self, directory: Path) -> None:
+        """Write model + optimiser + scheduler state (collective, sharded, layout-independent)."""
+
+    @abstractmethod
+    def load(self, directory: Path, load_optimizer: bool = True) -> None:
+        """Restore what :meth:`save` wrote, at any layout."""

@@ -1,0 +1,199 @@
+"""The ``megatron`` engine: megatron-core models, DDP, (distributed) optimiser and pipeline schedules."""
+
+from __future__ import annotations
+
+import math
+from functools import partial
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from megatron.core import dist_checkpointing, parallel_state
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+from megatron.core.distributed import finalize_model_grads
+from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+from megatron.core.pipeline_parallel import get_forward_backward_func
+from megatron.core.transformer.module import Float16Module
+
+from loong.core.accelerators.base import Accelerator
+from loong.core.config.schema import RunConfig
+from loong.core.engines.base import Engine, StepMetrics
+from loong.core.errors import LoongError
+from loong.core.parallel import ParallelLayout
+from loong.core.registry import ENGINES
+from loong.core.task import Task
+
+
+def resolve_dtype(precision: str, accelerator: Accelerator) -> torch.dtype:
+    """``train.precision`` → torch dtype (``auto``: bf16 on GPUs, fp32 on CPU)."""
+    if precision == "auto":
+        return accelerator.default_dtype()
+    return {"bf16": torch.bfloat16, "fp32": torch.float32}[precision]
+
+
+def num_microbatches(cfg: RunConfig, dp: int) -> int:
+    """Micro-batches per step per DP rank; the batch sizes must divide evenly."""
+    t = cfg.train
+    if t.global_batch_size % (t.micro_batch_size * dp):
+        raise LoongError(
+            f"train.global_batch_size={t.global_batch_size} is not divisible by "
+            f"train.micro_batch_size={t.micro_batch_size} x data-parallel size {dp}"
+        )
+    return t.global_batch_size // (t.micro_batch_size * dp)
+
+
+@ENGINES.register("megatron")
+class MegatronEngine(Engine):
+    """Builds the task's model chunks (one per virtual pipeline stage) and steps them."""
+
+    def __init__(self, task: Task, cfg: RunConfig, accelerator: Accelerator, layout: ParallelLayout,
+                 fresh: bool = True) -> None:
+        self.task, self.cfg, self.accelerator, self.layout = task, cfg, accelerator, layout
+        self.dtype = resolve_dtype(cfg.train.precision, accelerator)
+        self.num_microbatches = num_microbatches(cfg, layout.dp)
+        self.config = task.model_config(self.dtype)
+        device = accelerator.device(layout.local_rank)
+        vpp = cfg.parallel.vpp or 1
+        chunks = []
+        for vp in range(vpp):
+            stage = vp if vpp > 1 else None
+            pre = parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage)
+            post = parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage)
+            chunks.append(task.build_model(self.config, pre, post, stage).to(device))
+        if fresh:
+            task.init_weights(chunks)  # before DDP/optimiser so fp32 main params see the weights
+        if self.dtype != torch.float32:
+            chunks = [Float16Module(self.config, c) for c in chunks]
+        t = cfg.train
+        ddp_config = DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True,
+            overlap_grad_reduce=False,
+            use_distributed_optimizer=t.distributed_optimizer,
+            check_for_nan_in_grad=False,
+        )
+        self.model_chunks = [
+            DistributedDataParallel(config=self.config, ddp_config=ddp_config, module=c,
+                                    disable_bucketing=i > 0, pg_collection=layout.pg_collection)
+            for i, c in enumerate(chunks)
+        ]
+        self.optimizer = get_megatron_optimizer(
+            OptimizerConfig(
+                optimizer="adam", lr=t.lr, min_lr=t.min_lr, weight_decay=t.weight_decay,
+                adam_beta1=t.adam_beta1, adam_beta2=t.adam_beta2, adam_eps=t.adam_eps,
+                clip_grad=t.clip_grad, bf16=self.dtype == torch.bfloat16, params_dtype=self.dtype,
+                use_distributed_optimizer=t.distributed_optimizer,
+            ),
+            self.model_chunks,
+        )
+        warmup = min(t.warmup_steps, max(t.steps - 1, 0))
+        self.scheduler = OptimizerParamScheduler(
+            self.optimizer, init_lr=0.0 if warmup else t.lr, max_lr=t.lr, min_lr=t.min_lr,
+            lr_warmup_steps=warmup, lr_decay_steps=max(t.steps, 1), lr_decay_style=t.lr_decay_style,
+            start_wd=t.weight_decay, end_wd=t.weight_decay, wd_incr_steps=max(t.steps, 1),
+            wd_incr_style="constant",
+        )
+        c = self.config
+        c.no_sync_func = [m.no_sync for m in self.model_chunks]
+        if len(self.model_chunks) == 1:
+            c.no_sync_func = c.no_sync_func[0]
+        c.grad_scale_func = self.optimizer.scale_loss
+        c.finalize_model_grads_func = partial(finalize_model_grads, pg_collection=layout.pg_collection)
+        self._forward_backward = get_forward_backward_func()
+
+    # --- stepping --------------------------------------------------------------------------
+    def _iterators(self, make):  # noqa: ANN001, ANN202
+        its = [make() for _ in self.model_chunks]
+        return its if len(its) > 1 else its[0]
+
+    def _run(self, data_iterator, forward_only: bool) -> float:  # noqa: ANN001
+        t = self.cfg.train
+        outputs = self._forward_backward(
+            forward_step_func=self.task.forward_step,
+            data_iterator=data_iterator,
+            model=self.model_chunks,
+            num_microbatches=self.num_microbatches,
+            seq_length=t.seq_length,
+            micro_batch_size=t.micro_batch_size,
+            decoder_seq_length=t.seq_length,
+            forward_only=forward_only,
+        )
+        return self._mean_loss(outputs)
+
+    def _mean_loss(self, outputs: list[dict]) -> float:
+        """Mean of the micro-batch losses on the last stage, averaged over data parallelism."""
+        if not outputs:
+            return math.nan
+        device = self.accelerator.device(self.layout.local_rank)
+        total = torch.stack([o["loss"].detach().float().reshape(()) for o in outputs]).mean().to(device)
+        dist.all_reduce(total, group=self.layout.pg_collection.dp_cp)
+        return float(total) / dist.get_world_size(self.layout.pg_collection.dp_cp)
+
+    def train_step(self, step: int) -> StepMetrics:
+        for m in self.model_chunks:
+            m.train()
+            m.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        loss = self._run(self._iterators(lambda: self.task.train_microbatches(step, self.num_microbatches)),
+                         forward_only=False)
+        ok, grad_norm, _ = self.optimizer.step()
+        if ok:
+            self.scheduler.step(increment=1)
+        lr = self.optimizer.param_groups[0]["lr"]
+        return StepMetrics(loss=loss, grad_norm=None if grad_norm is None else float(grad_norm),
+                           lr=float(lr), skipped=not ok)
+
+    @torch.no_grad()
+    def eval_loss(self, iters: int) -> float | None:
+        if iters <= 0:
+            return None
+        for m in self.model_chunks:
+            m.eval()
+        losses = [
+            self._run(self._iterators(lambda i=i: self.task.eval_microbatches(i, self.num_microbatches)),
+                      forward_only=True)
+            for i in range(iters)
+        ]
+        for m in self.model_chunks:
+            m.train()
+        return sum(losses) / len(losses)
+
+    # --- state -----------------------------------------------------------------------------
+    def _model_sd(self) -> dict:
+        if len(self.model_chunks) == 1:
+            return {"model": self.model_chunks[0].sharded_state_dict()}
+        return {f"model{i}": m.sharded_state_dict() for i, m in enumerate(self.model_chunks)}
+
+    def _optimizer_sd(self, model_sd: dict, is_loading: bool) -> dict:
+        # 'fully_reshardable' stores optimiser state per parameter in canonical (unsharded) form,
+        # so a resume may change TP/PP/DP. (0.19's default, 'fully_sharded_model_space', builds
+        # flattened ShardedTensors that its own validation rejects.)
+        return self.optimizer.sharded_state_dict(
+            model_sd, is_loading=is_loading, metadata={"distrib_optim_sharding_type": "fully_reshardable"}
+        )
+
+    def save(self, directory: Path) -> None:
+        sd = self._model_sd()
+        sd["optimizer"] = self._optimizer_sd(sd, is_loading=False)
+        dist_checkpointing.save(sd, str(directory))
+
+    def load(self, directory: Path, load_optimizer: bool = True) -> None:
+        sd = self._model_sd()
+        if load_optimizer:
+            sd["optimizer"] = self._optimizer_sd(sd, is_loading=True)
+        loaded = dist_checkpointing.load(sd, str(directory))
+        for key, chunk in zip(self._model_sd(), self.model_chunks, strict=True):
+            chunk.load_state_dict(loaded[key])
+        if load_optimizer:
+            # With fp32 params the distributed optimiser's main shards are views of the model's
+            # leaf parameters; loading in-place needs autograd off.
+            with torch.no_grad():
+                self.optimizer.load_state_dict(loaded["optimizer"])
+
+    def scheduler_state(self) -> dict:
+        """Scheduler counters (saved in ``trainer_state.json``)."""
+        return {"num_steps": self.scheduler.num_steps}
+
+    def load_scheduler_state(self, state: dict) -> None:
+        """Restore the LR schedule position."""
+        self.scheduler.step(increment=int(state.get("num_steps", 0)) - self.scheduler.num_steps)

@@ -1,0 +1,86 @@
+"""Typed registries filled by plugins (entry-point group ``loong.plugins``).
+
+A package registers its entries with ``@MODELS.register("name")`` in a module that the entry point
+names; the core imports installed plugins lazily on the first lookup, so installing a package is all
+it takes to add its models, tasks and configs.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+from collections.abc import Callable, Iterator
+from typing import Generic, TypeVar
+
+from loong.core.errors import LoongError, did_you_mean
+
+T = TypeVar("T")
+
+PLUGIN_GROUP = "loong.plugins"
+# The core's own entries register like any plugin's, on first lookup (they import megatron-core).
+_BUILTIN_PLUGINS = {"core.megatron_engine": "loong.core.engines.megatron"}
+_loaded_plugins: set[str] = set()
+
+
+def load_plugins() -> list[str]:
+    """Import the core's built-ins and every installed ``loong.plugins`` entry point once."""
+    for name, module in _BUILTIN_PLUGINS.items():
+        if name not in _loaded_plugins:
+            _loaded_plugins.add(name)
+            importlib.import_module(module)
+    for ep in importlib.metadata.entry_points(group=PLUGIN_GROUP):
+        if ep.name not in _loaded_plugins:
+            _loaded_plugins.add(ep.name)
+            ep.load()
+    return sorted(_loaded_plugins)
+
+
+class Registry(Generic[T]):
+    """A name → object table with helpful errors for unknown names."""
+
+    def __init__(self, kind: str) -> None:
+        self.kind = kind
+        self._entries: dict[str, T] = {}
+
+    def register(self, name: str) -> Callable[[T], T]:
+        """Decorator registering ``obj`` under ``name``; a second registration of a name fails."""
+
+        def deco(obj: T) -> T:
+            self.add(name, obj)
+            return obj
+
+        return deco
+
+    def add(self, name: str, obj: T) -> None:
+        """Register ``obj`` under ``name`` (re-registering the very same object is allowed)."""
+        if name in self._entries and self._entries[name] is not obj:
+            raise ValueError(f"{self.kind} '{name}' is registered twice")
+        self._entries[name] = obj
+
+    def get(self, name: str) -> T:
+        """Look ``name`` up, loading plugins first; unknown names list the known ones."""
+        if name not in self._entries:
+            load_plugins()
+        if name not in self._entries:
+            known = ", ".join(sorted(self._entries)) or "(none installed)"
+            raise LoongError(
+                f"unknown {self.kind} '{name}'{did_you_mean(name, self._entries)} (known: {known})"
+            )
+        return self._entries[name]
+
+    def names(self) -> list[str]:
+        """All registered names, after loading plugins."""
+        load_plugins()
+        return sorted(self._entries)
+
+    def __contains__(self, name: str) -> bool:
+        load_plugins()
+        return name in self._entries
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.names())
+
+
+MODELS: Registry = Registry("model family")
+TASKS: Registry = Registry("task")
+ENGINES: Registry = Registry("engine")
+CONFIG_DIRS: Registry = Registry("config source")

@@ -1,0 +1,82 @@
+"""The walk of one training run: config → accelerator → process groups → task → engine → trainer."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+
+from loong.core.accelerators import select_accelerator
+from loong.core.checkpoint import CheckpointManager, read_state, resolve_checkpoint
+from loong.core.config import compose_config
+from loong.core.errors import LoongError
+from loong.core.parallel import init_distributed, shutdown_distributed
+from loong.core.registry import ENGINES, TASKS
+from loong.core.trainer import Trainer, TrainResult
+
+
+def _run_dir(cfg: Any) -> Path:
+    name = cfg.run_name
+    if name is None:
+        preset = getattr(cfg.model, "preset", None) or "run"
+        stamp = [f"{preset}-{time.strftime('%Y%m%d-%H%M%S')}"]
+        if dist.is_initialized():
+            dist.broadcast_object_list(stamp, src=0)  # one name for every rank
+        name = stamp[0]
+    return Path(cfg.output_dir) / name
+
+
+def _find_resume(cfg: Any, run_dir: Path) -> Path | None:
+    resume = cfg.train.resume
+    if resume in ("none", "never", ""):
+        return None
+    if resume == "auto":
+        return CheckpointManager(run_dir / "checkpoints").latest()
+    return resolve_checkpoint(resume)
+
+
+def train(config_module: str, config_name: str, overrides: list[str], schema: type,
+          echo: Any = print) -> TrainResult:
+    """Compose the config and run it to the end. Bad input raises LoongError before anything is written."""
+    cfg, plain = compose_config(config_module, config_name, overrides, schema)
+    task_cls = TASKS.get(cfg.task)
+    engine_cls = ENGINES.get(cfg.engine)
+    task_cls.check_config(cfg)
+    accelerator = select_accelerator()
+    with accelerator.activate():
+        layout = init_distributed(accelerator, cfg.parallel)
+        try:
+            accelerator.manual_seed(cfg.train.seed)
+            from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+            model_parallel_cuda_manual_seed(cfg.train.seed)
+            task = task_cls(cfg, accelerator, layout)
+            task.setup_data()
+            run_dir = _run_dir(cfg)
+            checkpoint = _find_resume(cfg, run_dir)
+            if checkpoint is not None and read_state(checkpoint)["step"] >= cfg.train.steps:
+                raise LoongError(
+                    f"{checkpoint} is already at step {read_state(checkpoint)['step']} >= "
+                    f"train.steps={cfg.train.steps}; raise train.steps to continue"
+                )
+            engine = engine_cls(task, cfg, accelerator, layout, fresh=checkpoint is None)
+            trainer = Trainer(cfg, plain, task, engine, layout, accelerator, run_dir)
+            start = 0
+            if checkpoint is not None:
+                start = trainer.restore(checkpoint)
+                if layout.is_logging_rank:
+                    echo(f"resumed from {checkpoint} at step {start}")
+            if layout.is_logging_rank:
+                echo(f"run directory: {run_dir}  ({accelerator.name}, world {layout.world_size}: "
+                     f"tp={layout.tp} pp={layout.pp} dp={layout.dp})")
+            return trainer.fit(start)
+        finally:
+            shutdown_distributed()
+
+
+def is_launched_worker() -> bool:
+    """Whether this process was started by torchrun (then it must not relaunch itself)."""
+    return "TORCHELASTIC_RUN_ID" in os.environ or "LOCAL_RANK" in os.environ

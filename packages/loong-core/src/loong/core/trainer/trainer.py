@@ -1,0 +1,163 @@
+"""One training loop for every task: accumulation is the engine's, cadence and safety are here."""
+
+from __future__ import annotations
+
+import math
+import signal
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from loong.core.accelerators.base import Accelerator
+from loong.core.checkpoint import CheckpointManager, read_state
+from loong.core.config.schema import RunConfig
+from loong.core.engines.base import Engine
+from loong.core.parallel import ParallelLayout
+from loong.core.task import Task
+from loong.core.trainer.reporting import Reporter
+
+
+@dataclass
+class TrainResult:
+    """What a finished (or interrupted) run produced."""
+
+    run_dir: Path
+    last_step: int
+    first_loss: float | None
+    last_loss: float | None
+    checkpoint: Path | None
+    interrupted: bool = False
+    loss_png: Path | None = None
+    hf_dir: Path | None = None
+    summary: dict[str, Any] = field(default_factory=dict)
+
+
+class _StopFlag:
+    """SIGTERM / SIGINT set a flag; the loop saves and exits at the next step boundary."""
+
+    def __init__(self) -> None:
+        self.raised = False
+        self._old: dict[int, Any] = {}
+
+    def __enter__(self) -> _StopFlag:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            self._old[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def _handle(self, signum: int, _frame: Any) -> None:
+        self.raised = True
+
+    def __exit__(self, *exc: Any) -> None:
+        for sig, handler in self._old.items():
+            signal.signal(sig, handler)
+
+
+class Trainer:
+    """Runs ``engine`` on ``task`` for ``cfg.train.steps`` steps with logging, eval and checkpoints."""
+
+    def __init__(self, cfg: RunConfig, config_dict: dict, task: Task, engine: Engine,
+                 layout: ParallelLayout, accelerator: Accelerator, run_dir: Path) -> None:
+        self.cfg, self.config_dict, self.task, self.engine = cfg, config_dict, task, engine
+        self.layout, self.accelerator, self.run_dir = layout, accelerator, run_dir
+        self.checkpoints = CheckpointManager(run_dir / "checkpoints", keep_last=cfg.train.keep_last)
+
+    # --- resume ------------------------------------------------------------------------------
+    def restore(self, step_dir: Path) -> int:
+        """Load a checkpoint into the engine; returns the step to continue from."""
+        self.engine.load(step_dir)
+        state = read_state(step_dir)
+        self.engine.load_scheduler_state(state.get("scheduler", {}))
+        return int(state["step"])
+
+    def _state(self, step: int, loss: float | None) -> dict[str, Any]:
+        return {
+            "step": step,
+            "consumed_samples": step * self.cfg.train.global_batch_size,
+            "loss": loss,
+            "scheduler": self.engine.scheduler_state(),
+            "layout": {"world_size": self.layout.world_size, "tp": self.layout.tp,
+                       "pp": self.layout.pp, "dp": self.layout.dp},
+        }
+
+    def save(self, step: int, loss: float | None) -> Path:
+        """Collective checkpoint of the current state."""
+        return self.checkpoints.save(step, self.engine, self._state(step, loss), self.config_dict,
+                                     artifacts=self.task.save_artifacts)
+
+    # --- loop --------------------------------------------------------------------------------
+    def _any(self, flag: bool) -> bool:
+        """True on every rank if ``flag`` is true on any rank (signals may reach ranks unevenly)."""
+        if not dist.is_initialized() or dist.get_world_size() == 1:
+            return flag
+        t = torch.tensor([1.0 if flag else 0.0], device=self.accelerator.device(self.layout.local_rank))
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return bool(t.item() > 0)
+
+    def fit(self, start_step: int = 0) -> TrainResult:
+        """Train from ``start_step`` to ``train.steps``."""
+        t = self.cfg.train
+        logging_rank = self.layout.is_logging_rank
+        reporter = Reporter(self.run_dir, t.steps, start_step, logging_rank, t.progress)
+        tokens_per_step = self.task.tokens_per_step()
+        flops_per_token = self.task.flops_per_token()
+        peak = self.accelerator.peak_flops(getattr(self.engine, "dtype", torch.float32))
+        peak_total = peak * self.layout.world_size if peak else None
+        first_loss = last_loss = None
+        last_ckpt: Path | None = None
+        interrupted = False
+        self.accelerator.reset_peak_memory()
+        started = time.perf_counter()
+        step = start_step
+        window_tokens, window_start = 0, time.perf_counter()
+        with _StopFlag() as stop:
+            while step < t.steps:
+                metrics = self.engine.train_step(step)
+                step += 1
+                if not math.isnan(metrics.loss):
+                    first_loss = metrics.loss if first_loss is None else first_loss
+                    last_loss = metrics.loss
+                window_tokens += tokens_per_step
+                if step % t.log_interval == 0 or step == t.steps:
+                    self.accelerator.synchronize()
+                    elapsed = time.perf_counter() - window_start
+                    tps = window_tokens / elapsed if elapsed > 0 else 0.0
+                    mfu = tps * flops_per_token / peak_total if (peak_total and flops_per_token) else None
+                    record = {"step": step, "train_loss": metrics.loss, "lr": metrics.lr,
+                              "tokens_per_s": round(tps, 1)}
+                    if metrics.grad_norm is not None:
+                        record["grad_norm"] = metrics.grad_norm
+                    if mfu is not None:
+                        record["mfu"] = round(mfu, 4)
+                    mem = self.accelerator.max_memory_allocated()
+                    if mem is not None:
+                        record["peak_memory_gib"] = round(mem / 2**30, 2)
+                    reporter.log(record)
+                    reporter.advance(step, metrics.loss, tps, mfu)
+                    window_tokens, window_start = 0, time.perf_counter()
+                if t.eval_interval and step % t.eval_interval == 0 and step < t.steps:
+                    reporter.log({"step": step, "eval_loss": self.engine.eval_loss(t.eval_iters)})
+                if t.save_interval and step % t.save_interval == 0 and step < t.steps:
+                    last_ckpt = self.save(step, last_loss)
+                out_of_time = bool(t.time_limit_s) and time.perf_counter() - started > t.time_limit_s
+                if self._any(stop.raised or out_of_time):
+                    interrupted = stop.raised
+                    reporter.print(f"stopping at step {step}: "
+                                   f"{'signal received' if stop.raised else 'train.time_limit_s reached'}")
+                    break
+            eval_loss = self.engine.eval_loss(t.eval_iters) if t.eval_iters else None
+            if eval_loss is not None:
+                reporter.log({"step": step, "eval_loss": eval_loss})
+            last_ckpt = self.save(step, last_loss)
+        hf_dir = None
+        if t.save_hf and not interrupted:
+            hf_dir = self.task.export(self.engine.model_chunks, self.run_dir / "hf")
+        png = reporter.close()
+        wall = time.perf_counter() - started
+        summary = {"steps": step - start_step, "wall_s": round(wall, 2),
+                   "tokens_per_s": round((step - start_step) * tokens_per_step / wall, 1) if wall else None}
+        return TrainResult(self.run_dir, step, first_loss, last_loss, last_ckpt, interrupted, png, hf_dir,
+                           summary)

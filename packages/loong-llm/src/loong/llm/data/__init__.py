@@ -1,0 +1,1 @@
+"""Text data: tokenizers, on-the-fly tokenisation and packing to fixed-length samples."""

@@ -1,0 +1,87 @@
+"""The schema of a dense decoder-only model (LLaMA 2/3/3.1, Qwen2/2.5, Qwen3)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from loong.core.errors import LoongError
+
+
+@dataclass
+class RopeScaling:
+    """LLaMA 3.1-style frequency scaling (HF ``rope_scaling`` with ``rope_type: llama3``)."""
+
+    factor: float = 8.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+
+@dataclass
+class DenseModelConfig:
+    """Shape and family switches of a dense decoder. ``family`` selects the HF mapping."""
+
+    family: Literal["llama", "qwen2", "qwen3"] = "llama"
+    preset: str = "custom"
+    num_layers: int = 2
+    hidden_size: int = 64
+    ffn_hidden_size: int = 256
+    num_attention_heads: int = 4
+    num_query_groups: int = 4
+    head_dim: int | None = None
+    vocab_size: int = 512
+    max_position_embeddings: int = 2048
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScaling | None = None
+    norm_eps: float = 1e-5
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False
+    qk_norm: bool = False
+    init_std: float = 0.02
+    init_from_hf: str | None = None
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def kv_channels(self) -> int:
+        return self.head_dim or self.hidden_size // self.num_attention_heads
+
+    def num_parameters(self) -> int:
+        """Parameter count (embeddings included once when tied)."""
+        d, f, v = self.hidden_size, self.ffn_hidden_size, self.vocab_size
+        q = self.num_attention_heads * self.kv_channels
+        kv = self.num_query_groups * self.kv_channels
+        attn = d * (q + 2 * kv) + q * d + (q + 2 * kv if self.qkv_bias else 0)
+        attn += 2 * self.kv_channels if self.qk_norm else 0
+        layer = attn + 3 * d * f + 2 * d
+        emb = v * d * (1 if self.tie_word_embeddings else 2)
+        return self.num_layers * layer + emb + d
+
+    def validate(self, path: str) -> None:
+        """Checks that do not depend on the layout (those are in :func:`check_model_layout`)."""
+        if self.num_attention_heads % self.num_query_groups:
+            raise LoongError(
+                f"{path}: num_attention_heads={self.num_attention_heads} is not a multiple of "
+                f"num_query_groups={self.num_query_groups}"
+            )
+        if self.head_dim is None and self.hidden_size % self.num_attention_heads:
+            raise LoongError(f"{path}: hidden_size is not divisible by num_attention_heads; set head_dim")
+
+
+def check_model_layout(model: DenseModelConfig, tp: int, pp: int, seq_length: int) -> None:
+    """Errors a user can fix in the config: TP/PP that do not divide the model, too-long sequences."""
+    if model.num_attention_heads % tp:
+        raise LoongError(
+            f"parallel.tp={tp} does not divide the model's {model.num_attention_heads} attention heads"
+        )
+    if model.num_query_groups % tp:
+        raise LoongError(f"parallel.tp={tp} does not divide the model's {model.num_query_groups} KV heads")
+    if model.ffn_hidden_size % tp:
+        raise LoongError(f"parallel.tp={tp} does not divide ffn_hidden_size={model.ffn_hidden_size}")
+    if model.num_layers % pp:
+        raise LoongError(f"parallel.pp={pp} does not divide the model's {model.num_layers} layers")
+    if seq_length > model.max_position_embeddings:
+        raise LoongError(
+            f"train.seq_length={seq_length} is larger than the model's maximum "
+            f"max_position_embeddings={model.max_position_embeddings}"
+        )

@@ -1,0 +1,210 @@
+"""Hugging Face <-> Loong weights for the dense families: pure tensor rearrangement, dtypes kept.
+
+Loong's side is keyed like :func:`loong.core.state.gather_full_state` (megatron sharded keys, layers
+stacked on a leading axis). The mapping is exactly invertible: HF -> Loong -> HF is bit-exact.
+Which optional tensors exist (q/k/v bias, QK norm, a separate ``lm_head``) follows the
+:class:`DenseModelConfig` flags, which each family's :class:`HFFamily` declaration sets.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from loong.core.errors import LoongError
+from loong.llm.models.config import DenseModelConfig
+from loong.llm.models.hf_config import HFFamily
+
+Tensor = torch.Tensor
+
+_EMB, _FINAL, _OUT = (
+    "embedding.word_embeddings.weight",
+    "decoder.final_layernorm.weight",
+    "output_layer.weight",
+)
+_L = "decoder.layers."
+_QKV_W, _QKV_B = _L + "self_attention.linear_qkv.weight", _L + "self_attention.linear_qkv.bias"
+_FC1 = _L + "mlp.linear_fc1.weight"
+# (native stacked key, HF per-layer suffix) for tensors that map one to one.
+_PLAIN = (
+    (_L + "self_attention.linear_qkv.layer_norm_weight", "input_layernorm.weight"),
+    (_L + "self_attention.linear_proj.weight", "self_attn.o_proj.weight"),
+    (_L + "mlp.linear_fc1.layer_norm_weight", "post_attention_layernorm.weight"),
+    (_L + "mlp.linear_fc2.weight", "mlp.down_proj.weight"),
+)
+_QK_NORM = (
+    (_L + "self_attention.q_layernorm.weight", "self_attn.q_norm.weight"),
+    (_L + "self_attention.k_layernorm.weight", "self_attn.k_norm.weight"),
+)
+# HF keys that carry no weights (old checkpoints saved the RoPE buffer).
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def native_shapes(cfg: DenseModelConfig) -> dict[str, tuple[int, ...]]:
+    """The whole-tensor shape of every native key for ``cfg``."""
+    n, d, f, v, hd = cfg.num_layers, cfg.hidden_size, cfg.ffn_hidden_size, cfg.vocab_size, cfg.kv_channels
+    q, qkv = cfg.num_attention_heads * hd, (cfg.num_attention_heads + 2 * cfg.num_query_groups) * hd
+    shapes = {
+        _EMB: (v, d),
+        _FINAL: (d,),
+        _PLAIN[0][0]: (n, d),
+        _PLAIN[1][0]: (n, d, q),
+        _PLAIN[2][0]: (n, d),
+        _PLAIN[3][0]: (n, d, f),
+        _QKV_W: (n, qkv, d),
+        _FC1: (n, 2 * f, d),
+    }
+    if cfg.qkv_bias:
+        shapes[_QKV_B] = (n, qkv)
+    if cfg.qk_norm:
+        shapes.update({key: (n, hd) for key, _ in _QK_NORM})
+    if not cfg.tie_word_embeddings:
+        shapes[_OUT] = (v, d)
+    return shapes
+
+
+def _check_shapes(state: Mapping[str, Tensor], cfg: DenseModelConfig, what: str) -> None:
+    for key, shape in native_shapes(cfg).items():
+        if key not in state:
+            raise LoongError(f"{what}: missing {key}")
+        if tuple(state[key].shape) != shape:
+            raise LoongError(f"{what}: {key} has shape {tuple(state[key].shape)}, the config implies {shape}")
+
+
+def _group_view(t: Tensor, rows: int, cfg: DenseModelConfig, name: str) -> Tensor:
+    """``t`` [groups*rows, ...] viewed as [groups, rows, ...], with a clear error on a shape mismatch."""
+    g = cfg.num_query_groups
+    if t.shape[0] != g * rows:
+        raise LoongError(f"{name} has {t.shape[0]} rows, the config implies {g * rows}")
+    return t.reshape(g, rows, *t.shape[1:])
+
+
+def _fuse_qkv(q: Tensor, k: Tensor, v: Tensor, cfg: DenseModelConfig, name: str) -> Tensor:
+    """HF q/k/v -> megatron's per-query-group interleave [q heads of group, k head, v head]."""
+    hd = cfg.kv_channels
+    per_group = cfg.num_attention_heads // cfg.num_query_groups * hd
+    parts = [
+        _group_view(q, per_group, cfg, name.replace("*", "q")),
+        _group_view(k, hd, cfg, name.replace("*", "k")),
+        _group_view(v, hd, cfg, name.replace("*", "v")),
+    ]
+    return torch.cat(parts, dim=1).reshape(-1, *q.shape[1:])
+
+
+def _split_qkv(qkv: Tensor, cfg: DenseModelConfig) -> tuple[Tensor, Tensor, Tensor]:
+    """Inverse of :func:`_fuse_qkv`."""
+    hd = cfg.kv_channels
+    per_group = cfg.num_attention_heads // cfg.num_query_groups * hd
+    grouped = qkv.reshape(cfg.num_query_groups, per_group + 2 * hd, *qkv.shape[1:])
+    q, k, v = grouped.split([per_group, hd, hd], dim=1)
+    return tuple(t.reshape(-1, *qkv.shape[1:]) for t in (q, k, v))  # type: ignore[return-value]
+
+
+def _qkv_keys(cfg: DenseModelConfig) -> tuple[tuple[str, str], ...]:
+    """(HF suffix kind, native key) of the fused QKV tensors ``cfg`` has."""
+    return (("weight", _QKV_W), ("bias", _QKV_B)) if cfg.qkv_bias else (("weight", _QKV_W),)
+
+
+def hf_to_native(hf_state: Mapping[str, Tensor], cfg: DenseModelConfig) -> dict[str, Tensor]:
+    """Hugging Face tensors (``model.layers.{i}...``) -> Loong's stacked native tensors.
+
+    Raises LoongError for missing tensors, unexpected ones (e.g. a bias the family does not have) and
+    shapes that do not match ``cfg``.
+    """
+    src = {k: v for k, v in hf_state.items() if not k.endswith(_IGNORED_SUFFIXES)}
+
+    def take(key: str) -> Tensor:
+        if key not in src:
+            raise LoongError(f"Hugging Face checkpoint has no tensor {key}")
+        return src.pop(key)
+
+    def stack(suffix: str) -> Tensor:
+        return torch.stack([take(f"model.layers.{i}.{suffix}") for i in range(cfg.num_layers)])
+
+    out: dict[str, Tensor] = {_EMB: take("model.embed_tokens.weight"), _FINAL: take("model.norm.weight")}
+    if cfg.tie_word_embeddings:
+        src.pop("lm_head.weight", None)  # transformers' state_dict() lists the tied alias
+    else:
+        out[_OUT] = take("lm_head.weight")
+    for native, hf in _PLAIN + (_QK_NORM if cfg.qk_norm else ()):
+        out[native] = stack(hf)
+    for kind, native in _qkv_keys(cfg):
+        out[native] = torch.stack(
+            [
+                _fuse_qkv(
+                    *(take(f"model.layers.{i}.self_attn.{p}_proj.{kind}") for p in "qkv"),
+                    cfg,
+                    f"model.layers.{i}.self_attn.*_proj.{kind}",
+                )
+                for i in range(cfg.num_layers)
+            ]
+        )
+    out[_FC1] = torch.stack(
+        [
+            torch.cat(
+                [take(f"model.layers.{i}.mlp.gate_proj.weight"), take(f"model.layers.{i}.mlp.up_proj.weight")]
+            )
+            for i in range(cfg.num_layers)
+        ]
+    )
+    if src:
+        extra = sorted(src)
+        raise LoongError(
+            f"Hugging Face checkpoint has {len(extra)} tensors that a {cfg.family} model with this config "
+            f"does not have, e.g. {extra[:3]} (check num_hidden_layers, attention_bias, tie_word_embeddings)"
+        )
+    _check_shapes(out, cfg, "Hugging Face checkpoint")
+    return out
+
+
+def native_to_hf(native: Mapping[str, Tensor], cfg: DenseModelConfig) -> dict[str, Tensor]:
+    """Inverse of :func:`hf_to_native`. Returned tensors may be views of ``native``'s tensors."""
+    _check_shapes(native, cfg, "Loong model state")
+    out: dict[str, Tensor] = {"model.embed_tokens.weight": native[_EMB], "model.norm.weight": native[_FINAL]}
+    if not cfg.tie_word_embeddings:
+        out["lm_head.weight"] = native[_OUT]
+    for i in range(cfg.num_layers):
+        pre = f"model.layers.{i}."
+        for key, hf in _PLAIN + (_QK_NORM if cfg.qk_norm else ()):
+            out[pre + hf] = native[key][i]
+        for kind, key in _qkv_keys(cfg):
+            for p, t in zip("qkv", _split_qkv(native[key][i], cfg), strict=True):
+                out[f"{pre}self_attn.{p}_proj.{kind}"] = t
+        gate, up = native[_FC1][i].chunk(2, dim=0)
+        out[pre + "mlp.gate_proj.weight"], out[pre + "mlp.up_proj.weight"] = gate, up
+    return out
+
+
+def families() -> dict[str, HFFamily]:
+    """Every supported dense family, by ``DenseModelConfig.family`` name."""
+    from loong.llm.models import llama, qwen2, qwen3
+
+    return {f.name: f for f in (llama.FAMILY, qwen2.FAMILY, qwen3.FAMILY)}
+
+
+def family_by_name(name: str) -> HFFamily:
+    """The declaration of ``DenseModelConfig.family`` ``name``."""
+    found = families()
+    if name not in found:
+        raise LoongError(f"model.family={name!r} is not one of {sorted(found)}")
+    return found[name]
+
+
+def family_for_hf_config(hf_config: dict[str, Any], source: str = "the checkpoint") -> HFFamily:
+    """The family of a parsed config.json, from ``architectures`` (or ``model_type`` when that is absent).
+
+    Raises a one-line LoongError naming the checkpoint's architecture for anything unsupported.
+    """
+    fams = families().values()
+    archs = list(hf_config.get("architectures") or [])
+    model_type = hf_config.get("model_type")
+    for fam in fams:
+        if any(a in fam.architectures for a in archs):
+            return fam
+        if not archs and model_type == fam.model_type:
+            return fam
+    found = archs[0] if archs else (f"model_type={model_type!r}" if model_type else "unknown-architecture")
+    supported = ", ".join(a for fam in fams for a in fam.architectures)
+    raise LoongError(f"{source} is a {found} checkpoint; loong-llm supports {supported}")

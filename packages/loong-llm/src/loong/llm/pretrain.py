@@ -1,0 +1,121 @@
+"""The ``llm.pretrain`` task: next-token prediction on packed text through the megatron engine."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from loong.core.errors import LoongError
+from loong.core.registry import TASKS
+from loong.core.task import Task
+from loong.llm.data.text import GlobalBatchSampler, make_microbatch, split_stream, tokenize_corpus
+from loong.llm.data.tokenizer import load_tokenizer, packaged_corpus_path
+from loong.llm.models.build import build_gpt_model, transformer_config
+from loong.llm.models.config import check_model_layout
+
+
+@TASKS.register("llm.pretrain")
+class PretrainTask(Task):
+    """Causal language modelling of a dense decoder."""
+
+    engine = "megatron"
+
+    @classmethod
+    def check_config(cls, cfg: Any) -> None:
+        p, m = cfg.parallel, cfg.model
+        check_model_layout(m, p.tp, p.pp * (p.vpp or 1), cfg.train.seq_length)
+        if m.vocab_size % p.tp:
+            raise LoongError(f"parallel.tp={p.tp} does not divide model.vocab_size={m.vocab_size}")
+        if cfg.data.path is not None and not Path(cfg.data.path).exists():
+            raise LoongError(f"data.path: {cfg.data.path} does not exist")
+        if m.init_from_hf is not None:
+            from loong.llm import hf
+
+            hf.check_hf_folder(m.init_from_hf, expect_family=m.family)
+
+    # --- model -----------------------------------------------------------------------------
+    def model_config(self, dtype: torch.dtype) -> Any:
+        overrides = self.accelerator.megatron_config_overrides()
+        return transformer_config(self.cfg.model, self.cfg.parallel, dtype, overrides)
+
+    def build_model(self, config: Any, pre_process: bool, post_process: bool,
+                    vp_stage: int | None) -> torch.nn.Module:
+        return build_gpt_model(self.cfg.model, config, self.accelerator.capabilities(), pre_process,
+                               post_process, self.layout.pg_collection, vp_stage)
+
+    def init_weights(self, model_chunks: list[torch.nn.Module]) -> None:
+        if self.cfg.model.init_from_hf is not None:
+            from loong.llm import hf
+
+            hf.load_hf_into(model_chunks, self.cfg.model.init_from_hf, self.cfg.model)
+
+    # --- data ------------------------------------------------------------------------------
+    def setup_data(self) -> None:
+        d, t = self.cfg.data, self.cfg.train
+        self.tokenizer = load_tokenizer(d.tokenizer)
+        if self.tokenizer.vocab_size > self.cfg.model.vocab_size:
+            raise LoongError(
+                f"the tokenizer has {self.tokenizer.vocab_size} tokens but model.vocab_size is "
+                f"{self.cfg.model.vocab_size}"
+            )
+        path = Path(d.path) if d.path is not None else packaged_corpus_path()
+        tokens = tokenize_corpus(path, self.tokenizer, d.format, d.text_field)
+        self.train_data, self.valid_data = split_stream(tokens, t.seq_length, d.valid_fraction, str(path))
+        self.sampler = GlobalBatchSampler(len(self.train_data), t.seed)
+        self.device = self.accelerator.device(self.layout.local_rank)
+
+    def _batches(self, indices: Iterator[int], data: Any, nmb: int) -> Iterator[dict]:
+        mbs = self.cfg.train.micro_batch_size
+        for _ in range(nmb):
+            batch = make_microbatch([data[next(indices)] for _ in range(mbs)])
+            yield {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
+
+    def _rank_offset(self, nmb: int) -> int:
+        return self.layout.dp_rank * nmb * self.cfg.train.micro_batch_size
+
+    def train_microbatches(self, step: int, num_microbatches: int) -> Iterator[dict]:
+        start = step * self.cfg.train.global_batch_size + self._rank_offset(num_microbatches)
+        indices = (self.sampler.index(g) for g in range(start, start + 10**12))
+        return self._batches(indices, self.train_data, num_microbatches)
+
+    def eval_microbatches(self, index: int, num_microbatches: int) -> Iterator[dict]:
+        n = len(self.valid_data) or len(self.train_data)
+        data = self.valid_data if len(self.valid_data) else self.train_data
+        start = index * self.cfg.train.global_batch_size + self._rank_offset(num_microbatches)
+        return self._batches((g % n for g in range(start, start + 10**12)), data, num_microbatches)
+
+    # --- loss ------------------------------------------------------------------------------
+    @staticmethod
+    def _loss(loss_mask: torch.Tensor, output: torch.Tensor) -> tuple[torch.Tensor, dict]:
+        losses = output.float()
+        loss = (losses * loss_mask).sum() / loss_mask.sum().clamp(min=1)
+        # clone: the schedule divides the returned loss in place by the micro-batch count
+        return loss, {"loss": loss.detach().clone()}
+
+    def forward_step(self, data_iterator: Iterator[dict], model: torch.nn.Module) -> tuple[Any, Any]:
+        batch = next(data_iterator)
+        output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
+        return output, partial(self._loss, batch["loss_mask"])
+
+    # --- accounting and artefacts ----------------------------------------------------------
+    def tokens_per_step(self) -> int:
+        return self.cfg.train.global_batch_size * self.cfg.train.seq_length
+
+    def flops_per_token(self) -> float:
+        """6·N (N without the input embedding) + 12·L·heads·head_dim·seq (PaLM, appendix B)."""
+        m = self.cfg.model
+        n = m.num_parameters() - (0 if m.tie_word_embeddings else m.vocab_size * m.hidden_size)
+        attn = 12 * m.num_layers * m.num_attention_heads * m.kv_channels * self.cfg.train.seq_length
+        return 6.0 * n + attn
+
+    def save_artifacts(self, checkpoint_dir: Path) -> None:
+        self.tokenizer.save(checkpoint_dir / "tokenizer")
+
+    def export(self, model_chunks: list[torch.nn.Module], out_dir: Path) -> Path | None:
+        from loong.llm import hf
+
+        return hf.export_model(model_chunks, self.cfg.model, out_dir, tokenizer=self.tokenizer)
