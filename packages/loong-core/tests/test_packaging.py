@@ -19,6 +19,7 @@ import subprocess
 import sys
 import time
 import zipfile
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -101,14 +102,21 @@ def _names(wheel: Path) -> list[str]:
 
 @pytest.fixture(scope="module")
 def built(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """Build every member with ``uv build --package <name>``; return dist name -> wheel path."""
+    """Build every member with ``uv build --package <name>`` (concurrently); return dist name -> wheel path."""
     uv = _uv()
     out = tmp_path_factory.mktemp("dist")
     t0 = time.monotonic()
-    for dist in MEMBERS:
-        _run([uv, "build", "--package", dist, "--out-dir", str(out), "--quiet"], cwd=REPO_ROOT)
+    with ThreadPoolExecutor(max_workers=len(MEMBERS)) as pool:
+        jobs = {
+            dist: pool.submit(
+                _run, [uv, "build", "--package", dist, "--out-dir", str(out / dist), "--quiet"], cwd=REPO_ROOT
+            )
+            for dist in MEMBERS
+        }
+        for job in jobs.values():
+            job.result()  # re-raises the first failure with its output
     print(f"\nbuilt {len(MEMBERS)} packages in {time.monotonic() - t0:.1f} s")
-    return {dist: _wheel_for(out, dist) for dist in MEMBERS}
+    return {dist: _wheel_for(out / dist, dist) for dist in MEMBERS}
 
 
 def test_every_member_builds_a_wheel(built: dict[str, Path]) -> None:

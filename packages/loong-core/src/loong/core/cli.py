@@ -77,7 +77,7 @@ def make_cli(prog: str, description: str, module: str, commands: dict[str, Comma
         quiet_third_party()
         argv = list(sys.argv[1:] if argv is None else argv)
         nproc, rest = _strip_nproc(argv)
-        if nproc > 1 and "LOCAL_RANK" not in os.environ:
+        if nproc > 1 and "TORCHELASTIC_RUN_ID" not in os.environ:
             return relaunch(nproc, module, rest)
         parser = argparse.ArgumentParser(
             prog=prog, description=description, formatter_class=argparse.RawDescriptionHelpFormatter,

@@ -92,9 +92,11 @@ def init_distributed(accelerator: Accelerator, cfg: ParallelConfig) -> ParallelL
     from megatron.core import parallel_state
     from megatron.core.process_groups_config import ProcessGroupCollection
 
-    if "RANK" not in os.environ:
-        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    if "RANK" not in os.environ or os.environ.get("LOONG_SINGLE_PROCESS") == "1":
+        # Not started by a launcher: a world of one, on a fresh port each time (runs may follow
+        # one another in one process, e.g. `convert` then `train` in a test).
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=str(_free_port()), LOONG_SINGLE_PROCESS="1")
     world_size = int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     dp = check_layout(cfg, world_size)

@@ -16,22 +16,27 @@ from loong.core.errors import LoongError, did_you_mean
 T = TypeVar("T")
 
 PLUGIN_GROUP = "loong.plugins"
-# The core's own entries register like any plugin's, on first lookup (they import megatron-core).
-_BUILTIN_PLUGINS = {"core.megatron_engine": "loong.core.engines.megatron"}
 _loaded_plugins: set[str] = set()
 
 
 def load_plugins() -> list[str]:
-    """Import the core's built-ins and every installed ``loong.plugins`` entry point once."""
-    for name, module in _BUILTIN_PLUGINS.items():
-        if name not in _loaded_plugins:
-            _loaded_plugins.add(name)
-            importlib.import_module(module)
+    """Import every installed ``loong.plugins`` entry point once; return their names."""
     for ep in importlib.metadata.entry_points(group=PLUGIN_GROUP):
         if ep.name not in _loaded_plugins:
             _loaded_plugins.add(ep.name)
             ep.load()
     return sorted(_loaded_plugins)
+
+
+class _Lazy:
+    """A registry entry not imported yet."""
+
+    def __init__(self, target: str) -> None:
+        self.target = target
+
+    def load(self) -> object:
+        module, _, attr = self.target.partition(":")
+        return getattr(importlib.import_module(module), attr)
 
 
 class Registry(Generic[T]):
@@ -40,6 +45,11 @@ class Registry(Generic[T]):
     def __init__(self, kind: str) -> None:
         self.kind = kind
         self._entries: dict[str, T] = {}
+
+    def add_lazy(self, name: str, target: str) -> None:
+        """Register ``"package.module:attr"``, imported on first :meth:`get` (keeps plugins light:
+        listing presets or ``--help`` must not import torch or megatron-core)."""
+        self._entries.setdefault(name, _Lazy(target))  # type: ignore[arg-type]
 
     def register(self, name: str) -> Callable[[T], T]:
         """Decorator registering ``obj`` under ``name``; a second registration of a name fails."""
@@ -52,6 +62,8 @@ class Registry(Generic[T]):
 
     def add(self, name: str, obj: T) -> None:
         """Register ``obj`` under ``name`` (re-registering the very same object is allowed)."""
+        if isinstance(self._entries.get(name), _Lazy):
+            self._entries[name] = obj  # the lazy target registering itself on import
         if name in self._entries and self._entries[name] is not obj:
             raise ValueError(f"{self.kind} '{name}' is registered twice")
         self._entries[name] = obj
@@ -65,7 +77,11 @@ class Registry(Generic[T]):
             raise LoongError(
                 f"unknown {self.kind} '{name}'{did_you_mean(name, self._entries)} (known: {known})"
             )
-        return self._entries[name]
+        entry = self._entries[name]
+        if isinstance(entry, _Lazy):
+            entry = entry.load()
+            self._entries[name] = entry
+        return entry
 
     def names(self) -> list[str]:
         """All registered names, after loading plugins."""
@@ -84,3 +100,5 @@ MODELS: Registry = Registry("model family")
 TASKS: Registry = Registry("task")
 ENGINES: Registry = Registry("engine")
 CONFIG_DIRS: Registry = Registry("config source")
+
+ENGINES.add_lazy("megatron", "loong.core.engines.megatron:MegatronEngine")

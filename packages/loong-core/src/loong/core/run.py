@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import time
 from pathlib import Path
 from typing import Any
@@ -10,8 +9,8 @@ from typing import Any
 import torch.distributed as dist
 
 from loong.core.accelerators import select_accelerator
-from loong.core.checkpoint import CheckpointManager, read_state, resolve_checkpoint
-from loong.core.config import compose_config
+from loong.core.checkpoint import CheckpointManager, read_config, read_state, resolve_checkpoint
+from loong.core.config import compose_config, from_dict, to_dict
 from loong.core.errors import LoongError
 from loong.core.parallel import init_distributed, shutdown_distributed
 from loong.core.registry import ENGINES, TASKS
@@ -42,9 +41,14 @@ def train(config_module: str, config_name: str, overrides: list[str], schema: ty
           echo: Any = print) -> TrainResult:
     """Compose the config and run it to the end. Bad input raises LoongError before anything is written."""
     cfg, plain = compose_config(config_module, config_name, overrides, schema)
+    if cfg.train.resume not in ("auto", "none", "never", ""):
+        # An explicit checkpoint defines the model it holds (e.g. one made by `convert`).
+        plain["model"] = read_config(resolve_checkpoint(cfg.train.resume))["model"]
+        cfg = from_dict(schema, plain)
     task_cls = TASKS.get(cfg.task)
     engine_cls = ENGINES.get(cfg.engine)
-    task_cls.check_config(cfg)
+    task_cls.check_config(cfg)  # may complete the config (e.g. the model shape of an HF folder)
+    plain = to_dict(cfg)
     accelerator = select_accelerator()
     with accelerator.activate():
         layout = init_distributed(accelerator, cfg.parallel)
@@ -57,7 +61,7 @@ def train(config_module: str, config_name: str, overrides: list[str], schema: ty
             task.setup_data()
             run_dir = _run_dir(cfg)
             checkpoint = _find_resume(cfg, run_dir)
-            if checkpoint is not None and read_state(checkpoint)["step"] >= cfg.train.steps:
+            if checkpoint is not None and 0 < read_state(checkpoint)["step"] >= cfg.train.steps:
                 raise LoongError(
                     f"{checkpoint} is already at step {read_state(checkpoint)['step']} >= "
                     f"train.steps={cfg.train.steps}; raise train.steps to continue"
@@ -75,8 +79,3 @@ def train(config_module: str, config_name: str, overrides: list[str], schema: ty
             return trainer.fit(start)
         finally:
             shutdown_distributed()
-
-
-def is_launched_worker() -> bool:
-    """Whether this process was started by torchrun (then it must not relaunch itself)."""
-    return "TORCHELASTIC_RUN_ID" in os.environ or "LOCAL_RANK" in os.environ

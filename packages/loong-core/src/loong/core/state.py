@@ -18,12 +18,18 @@ from megatron.core.dist_checkpointing.dict_utils import nested_values
 from loong.core.errors import LoongError
 
 
+def unwrap(module: torch.nn.Module) -> torch.nn.Module:
+    """The bare model inside DDP / Float16Module wrappers."""
+    while hasattr(module, "module") and isinstance(module.module, torch.nn.Module):
+        module = module.module
+    return module
+
+
 def sharded_tensors(model_chunks: Iterable[torch.nn.Module]) -> list[ShardedTensor]:
     """Every ShardedTensor of the model chunks, factories (e.g. SwiGLU fc1 split) applied."""
     out: list[ShardedTensor] = []
     for chunk in model_chunks:
-        module = getattr(chunk, "module", chunk)
-        sd = module.sharded_state_dict()
+        sd = unwrap(chunk).sharded_state_dict()
         apply_factories(sd)
         out.extend(v for v in nested_values(sd) if isinstance(v, ShardedTensor))
     return out

@@ -1,6 +1,6 @@
-"""loong-llm's plugin entry point: registers its task and its packaged config groups."""
+"""loong-llm's plugin entry point: its task and its packaged config groups (imports nothing heavy)."""
 
-from loong.core.registry import CONFIG_DIRS
-from loong.llm import pretrain  # noqa: F401  (registers the llm.pretrain task)
+from loong.core.registry import CONFIG_DIRS, TASKS
 
+TASKS.add_lazy("llm.pretrain", "loong.llm.pretrain:PretrainTask")
 CONFIG_DIRS.add("llm", "pkg://loong.llm.configs")

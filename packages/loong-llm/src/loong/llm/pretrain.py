@@ -26,16 +26,17 @@ class PretrainTask(Task):
 
     @classmethod
     def check_config(cls, cfg: Any) -> None:
+        if cfg.model.init_from_hf is not None:
+            from loong.llm import hf
+
+            # The folder defines the model's shape, as with from_pretrained.
+            cfg.model = hf.model_config_from_hf(cfg.model.init_from_hf, keep=cfg.model)
         p, m = cfg.parallel, cfg.model
         check_model_layout(m, p.tp, p.pp * (p.vpp or 1), cfg.train.seq_length)
         if m.vocab_size % p.tp:
             raise LoongError(f"parallel.tp={p.tp} does not divide model.vocab_size={m.vocab_size}")
         if cfg.data.path is not None and not Path(cfg.data.path).exists():
             raise LoongError(f"data.path: {cfg.data.path} does not exist")
-        if m.init_from_hf is not None:
-            from loong.llm import hf
-
-            hf.check_hf_folder(m.init_from_hf, expect_family=m.family)
 
     # --- model -----------------------------------------------------------------------------
     def model_config(self, dtype: torch.dtype) -> Any:

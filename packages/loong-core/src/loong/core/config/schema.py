@@ -54,7 +54,7 @@ class TrainConfig:
     clip_grad: float = 1.0
     seed: int = 1234
     precision: Literal["auto", "bf16", "fp32"] = "auto"
-    distributed_optimizer: bool = True
+    distributed_optimizer: bool = False
     log_interval: int = 1
     eval_interval: int = 50
     eval_iters: int = 2

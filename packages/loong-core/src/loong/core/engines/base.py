@@ -37,6 +37,9 @@ class Engine(ABC):
     def save(self, directory: Path) -> None:
         """Write model + optimiser + scheduler state (collective, sharded, layout-independent)."""
 
+    def check_resume_layout(self, saved: dict) -> None:
+        """Raise LoongError when state saved at layout ``saved`` cannot be loaded at this one."""
+
     @abstractmethod
     def load(self, directory: Path, load_optimizer: bool = True) -> None:
         """Restore what :meth:`save` wrote, at any layout."""

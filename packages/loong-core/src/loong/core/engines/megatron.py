@@ -22,6 +22,7 @@ from loong.core.engines.base import Engine, StepMetrics
 from loong.core.errors import LoongError
 from loong.core.parallel import ParallelLayout
 from loong.core.registry import ENGINES
+from loong.core.state import unwrap
 from loong.core.task import Task
 
 
@@ -160,30 +161,69 @@ class MegatronEngine(Engine):
 
     # --- state -----------------------------------------------------------------------------
     def _model_sd(self) -> dict:
-        if len(self.model_chunks) == 1:
-            return {"model": self.model_chunks[0].sharded_state_dict()}
-        return {f"model{i}": m.sharded_state_dict() for i, m in enumerate(self.model_chunks)}
+        # Keys are those of the bare model (no DDP / Float16Module prefixes), as in any layout.
+        bare = [unwrap(m) for m in self.model_chunks]
+        if len(bare) == 1:
+            return {"model": bare[0].sharded_state_dict()}
+        return {f"model{i}": m.sharded_state_dict() for i, m in enumerate(bare)}
 
     def _optimizer_sd(self, model_sd: dict, is_loading: bool) -> dict:
-        # 'fully_reshardable' stores optimiser state per parameter in canonical (unsharded) form,
-        # so a resume may change TP/PP/DP. (0.19's default, 'fully_sharded_model_space', builds
-        # flattened ShardedTensors that its own validation rejects.)
+        # Without the distributed optimiser, state is keyed per parameter by the model's sharded
+        # keys, so it reshards across any TP/PP/DP change. The distributed optimiser uses
+        # 'dp_reshardable' (DP changes only): in megatron-core 0.19.2 without Apex/TE its
+        # layout-free formats fail ('fully_sharded_model_space' builds flattened ShardedTensors its
+        # own validation rejects; loading 'fully_reshardable' raises KeyError 'step').
         return self.optimizer.sharded_state_dict(
-            model_sd, is_loading=is_loading, metadata={"distrib_optim_sharding_type": "fully_reshardable"}
+            model_sd, is_loading=is_loading, metadata={"distrib_optim_sharding_type": "dp_reshardable"}
         )
+
+    def check_resume_layout(self, saved: dict) -> None:
+        """Fail clearly when the optimiser state saved under ``saved`` cannot load at this layout."""
+        dist_opt = self.cfg.train.distributed_optimizer
+        if saved.get("distributed_optimizer", dist_opt) != dist_opt:
+            raise LoongError(
+                f"the checkpoint was saved with train.distributed_optimizer={not dist_opt}; "
+                f"resume with the same setting"
+            )
+        same = (saved.get("tp"), saved.get("pp")) == (self.layout.tp, self.layout.pp)
+        if dist_opt and not same:
+            raise LoongError(
+                f"the checkpoint was saved at tp={saved.get('tp')} pp={saved.get('pp')} with the "
+                f"distributed optimiser, whose state reshards only across data parallelism; resume at "
+                f"that tp/pp (any dp), or train with train.distributed_optimizer=false to change tp/pp"
+            )
 
     def save(self, directory: Path) -> None:
         sd = self._model_sd()
         sd["optimizer"] = self._optimizer_sd(sd, is_loading=False)
         dist_checkpointing.save(sd, str(directory))
 
+    def _materialise_optimizer_state(self) -> None:
+        """Give a fresh distributed optimiser its (zero) Adam states before loading into it.
+
+        megatron-core 0.19 without Apex/TE reads Adam's ``step`` while building the *loading*
+        state dict, which a never-stepped optimiser lacks. Its own dummy-state helper runs one
+        Adam step on zero gradients; with the learning rate held at 0 that leaves weights untouched.
+        """
+        for opt in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
+            init = getattr(opt, "_init_optimizer_states_with_dummy_values", None)
+            if init is None or opt.optimizer.state:
+                continue
+            lrs = [g["lr"] for g in opt.optimizer.param_groups]
+            for g in opt.optimizer.param_groups:
+                g["lr"] = 0.0
+            init()
+            for g, lr in zip(opt.optimizer.param_groups, lrs, strict=True):
+                g["lr"] = lr
+
     def load(self, directory: Path, load_optimizer: bool = True) -> None:
         sd = self._model_sd()
         if load_optimizer:
+            self._materialise_optimizer_state()
             sd["optimizer"] = self._optimizer_sd(sd, is_loading=True)
         loaded = dist_checkpointing.load(sd, str(directory))
         for key, chunk in zip(self._model_sd(), self.model_chunks, strict=True):
-            chunk.load_state_dict(loaded[key])
+            unwrap(chunk).load_state_dict(loaded[key])
         if load_optimizer:
             # With fp32 params the distributed optimiser's main shards are views of the model's
             # leaf parameters; loading in-place needs autograd off.

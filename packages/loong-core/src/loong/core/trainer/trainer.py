@@ -67,9 +67,16 @@ class Trainer:
 
     # --- resume ------------------------------------------------------------------------------
     def restore(self, step_dir: Path) -> int:
-        """Load a checkpoint into the engine; returns the step to continue from."""
-        self.engine.load(step_dir)
+        """Load a checkpoint into the engine; returns the step to continue from.
+
+        A weights-only checkpoint (``convert`` of an HF folder) starts a fresh run from its weights.
+        """
         state = read_state(step_dir)
+        if state.get("weights_only"):
+            self.engine.load(step_dir, load_optimizer=False)
+            return 0
+        self.engine.check_resume_layout(state.get("layout", {}))
+        self.engine.load(step_dir)
         self.engine.load_scheduler_state(state.get("scheduler", {}))
         return int(state["step"])
 
@@ -80,7 +87,8 @@ class Trainer:
             "loss": loss,
             "scheduler": self.engine.scheduler_state(),
             "layout": {"world_size": self.layout.world_size, "tp": self.layout.tp,
-                       "pp": self.layout.pp, "dp": self.layout.dp},
+                       "pp": self.layout.pp, "dp": self.layout.dp,
+                       "distributed_optimizer": self.cfg.train.distributed_optimizer},
         }
 
     def save(self, step: int, loss: float | None) -> Path:

@@ -1,0 +1,108 @@
+"""``loong-llm convert SRC DST``: Hugging Face folder ⇄ Loong checkpoint; direction from SRC.
+
+An HF folder becomes a weights-only Loong checkpoint (layout-independent: train it at any TP/PP with
+``train.resume=DST``); a Loong checkpoint becomes an HF folder that ``from_pretrained`` loads.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import torch
+
+from loong.core.accelerators import select_accelerator
+from loong.core.checkpoint import CheckpointManager, read_config, resolve_checkpoint
+from loong.core.config.schema import ParallelConfig, from_dict
+from loong.core.errors import LoongError
+from loong.core.parallel import init_distributed, shutdown_distributed
+from loong.llm.hf import load_hf_into, model_config_from_hf, write_hf
+from loong.llm.models.build import build_gpt_model, transformer_config
+from loong.llm.models.config import DenseModelConfig
+from loong.llm.models.hf_mapping import native_shapes
+from loong.llm.schema import LLMRunConfig
+
+_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
+
+
+class _WeightsOnly:
+    """The slice of an engine the checkpoint manager needs, for a model without an optimiser."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model = model
+
+    def save(self, directory: Path) -> None:
+        from megatron.core import dist_checkpointing
+
+        dist_checkpointing.save({"model": self.model.sharded_state_dict()}, str(directory))
+
+
+def _is_hf_folder(path: Path) -> bool:
+    return (path / "config.json").is_file()
+
+
+def hf_to_loong(src: Path, dst: Path, dtype: str = "auto") -> Path:
+    """Import an HF folder as a weights-only Loong checkpoint under ``dst/checkpoints``."""
+    model_cfg = model_config_from_hf(src)
+    accelerator = select_accelerator("cpu")
+    with accelerator.activate():
+        layout = init_distributed(accelerator, ParallelConfig())
+        try:
+            torch_dtype = _DTYPES.get(dtype, torch.float32)
+            config = transformer_config(model_cfg, ParallelConfig(), torch_dtype,
+                                        accelerator.megatron_config_overrides())
+            model = build_gpt_model(model_cfg, config, accelerator.capabilities(), True, True,
+                                    layout.pg_collection)
+            load_hf_into([model], src, model_cfg)
+            run_cfg = LLMRunConfig(model=model_cfg, run_name=dst.name, output_dir=str(dst.parent))
+            from loong.core.config.schema import to_dict
+
+            def artifacts(step_dir: Path) -> None:
+                tok_files = [p for p in src.iterdir() if p.name.startswith(("tokenizer", "special_tokens",
+                                                                             "vocab", "merges"))]
+                if tok_files:
+                    (step_dir / "tokenizer").mkdir()
+                    for f in tok_files:
+                        shutil.copy2(f, step_dir / "tokenizer" / f.name)
+
+            state = {"step": 0, "weights_only": True, "source": str(src)}
+            CheckpointManager(dst / "checkpoints").save(0, _WeightsOnly(model), state, to_dict(run_cfg),
+                                                        artifacts=artifacts)
+        finally:
+            shutdown_distributed()
+    return dst / "checkpoints"
+
+
+def loong_to_hf(src: Path, dst: Path, dtype: str = "auto") -> Path:
+    """Export a Loong checkpoint (any layout it was saved at) as an HF folder."""
+    from megatron.core.dist_checkpointing.serialization import load_plain_tensors
+
+    step_dir = resolve_checkpoint(src)
+    run_cfg = from_dict(LLMRunConfig, read_config(step_dir))
+    model_cfg: DenseModelConfig = run_cfg.model
+    accelerator = select_accelerator("cpu")
+    with accelerator.activate():
+        init_distributed(accelerator, ParallelConfig())
+        try:
+            plain = load_plain_tensors(str(step_dir))
+        finally:
+            shutdown_distributed()
+    wanted = native_shapes(model_cfg)
+    native = {k: v for k, v in plain.items() if k in wanted}
+    missing = sorted(set(wanted) - set(native))
+    if missing:
+        raise LoongError(f"{step_dir} lacks model tensors {missing[:3]} for its config")
+    saved_dtype = next(iter(native.values())).dtype
+    out_dtype = _DTYPES.get(dtype, saved_dtype)
+    tokenizer = step_dir / "tokenizer"
+    return write_hf(native, model_cfg, dst, out_dtype, tokenizer_dir=tokenizer if tokenizer.is_dir() else None)
+
+
+def convert(src: str | Path, dst: str | Path, dtype: str = "auto") -> Path:
+    """Convert in the direction SRC implies. Nothing is written when SRC is not understood."""
+    src_p, dst_p = Path(src), Path(dst)
+    if not src_p.exists():
+        raise LoongError(f"{src} does not exist")
+    if _is_hf_folder(src_p):
+        return hf_to_loong(src_p, dst_p, dtype)
+    return loong_to_hf(src_p, dst_p, dtype)
