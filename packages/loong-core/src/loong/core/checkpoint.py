@@ -55,7 +55,10 @@ def resolve_checkpoint(path: str | Path) -> Path:
     p = Path(path)
     for candidate in (p, p / "checkpoints"):
         if (candidate / LATEST).is_file():
-            return candidate / (candidate / LATEST).read_text().strip()
+            step_dir = candidate / (candidate / LATEST).read_text().strip()
+            if not (step_dir / STATE_FILE).is_file():
+                raise LoongError(f"{candidate / LATEST} names {step_dir.name}, which is missing or incomplete")
+            return step_dir
     if (p / STATE_FILE).is_file():
         return p
     raise LoongError(f"{path} is not a Loong checkpoint (no {STATE_FILE} or '{LATEST}' file)")

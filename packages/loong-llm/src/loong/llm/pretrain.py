@@ -15,7 +15,7 @@ from loong.core.task import Task
 from loong.llm.data.text import GlobalBatchSampler, make_microbatch, split_stream, tokenize_corpus
 from loong.llm.data.tokenizer import load_tokenizer, packaged_corpus_path
 from loong.llm.models.build import build_gpt_model, transformer_config
-from loong.llm.models.config import check_model_layout
+from loong.llm.models.config import check_model_layout, training_flops_per_token
 
 
 @TASKS.register("llm.pretrain")
@@ -107,11 +107,7 @@ class PretrainTask(Task):
         return self.cfg.train.global_batch_size * self.cfg.train.seq_length
 
     def flops_per_token(self) -> float:
-        """6·N (N without the input embedding) + 12·L·heads·head_dim·seq (PaLM, appendix B)."""
-        m = self.cfg.model
-        n = m.num_parameters() - (0 if m.tie_word_embeddings else m.vocab_size * m.hidden_size)
-        attn = 12 * m.num_layers * m.num_attention_heads * m.kv_channels * self.cfg.train.seq_length
-        return 6.0 * n + attn
+        return training_flops_per_token(self.cfg.model, self.cfg.train.seq_length)
 
     def save_artifacts(self, checkpoint_dir: Path) -> None:
         self.tokenizer.save(checkpoint_dir / "tokenizer")

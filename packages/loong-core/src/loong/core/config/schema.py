@@ -59,6 +59,7 @@ class TrainConfig:
     eval_interval: int = 50
     eval_iters: int = 2
     save_interval: int = 0
+    save_final: bool = True
     keep_last: int = 2
     resume: str = "auto"
     save_hf: bool = False

@@ -159,7 +159,8 @@ class Trainer:
             eval_loss = self.engine.eval_loss(t.eval_iters) if t.eval_iters else None
             if eval_loss is not None:
                 reporter.log({"step": step, "eval_loss": eval_loss})
-            last_ckpt = self.save(step, last_loss)
+            if t.save_final or step < t.steps:  # a run stopped early always saves
+                last_ckpt = self.save(step, last_loss)
         hf_dir = None
         if t.save_hf and not interrupted:
             hf_dir = self.task.export(self.engine.model_chunks, self.run_dir / "hf")

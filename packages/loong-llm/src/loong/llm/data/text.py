@@ -56,6 +56,8 @@ def tokenize_corpus(path: Path, tokenizer: Tokenizer, fmt: str = "auto", text_fi
     docs: list[str] = []
 
     def flush() -> None:
+        if not docs:  # the tokenizer fails on an empty batch (empty corpus, or a multiple of ``batch``)
+            return
         for ids in tokenizer.encode_batch(docs):
             stream.extend(ids)
             stream.append(tokenizer.eod_id)

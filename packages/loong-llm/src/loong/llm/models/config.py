@@ -68,6 +68,17 @@ class DenseModelConfig:
             raise LoongError(f"{path}: hidden_size is not divisible by num_attention_heads; set head_dim")
 
 
+def training_flops_per_token(model: DenseModelConfig, seq_length: int) -> float:
+    """Training FLOPs per token: 6·N (N without the input embedding) + 12·L·heads·head_dim·seq.
+
+    The attention term counts the full (non-causal) score matrix, as PaLM (appendix B),
+    Megatron-LM and torchtitan do, so MFU figures compare across frameworks.
+    """
+    n = model.num_parameters() - (0 if model.tie_word_embeddings else model.vocab_size * model.hidden_size)
+    attn = 12 * model.num_layers * model.num_attention_heads * model.kv_channels * seq_length
+    return 6.0 * n + attn
+
+
 def check_model_layout(model: DenseModelConfig, tp: int, pp: int, seq_length: int) -> None:
     """Errors a user can fix in the config: TP/PP that do not divide the model, too-long sequences."""
     if model.num_attention_heads % tp:

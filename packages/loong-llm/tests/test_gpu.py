@@ -1,0 +1,86 @@
+"""GPU checks (run on an accelerator machine: ``pytest -m gpu``)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(scope="module")
+def cuda_layout():
+    from loong.core.accelerators import select_accelerator
+    from loong.core.config.schema import ParallelConfig
+    from loong.core.parallel import init_distributed, shutdown_distributed
+
+    if not torch.cuda.is_available():
+        pytest.fail("gpu tests need CUDA")
+    acc = select_accelerator()
+    with acc.activate():
+        layout = init_distributed(acc, ParallelConfig())
+        from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+        model_parallel_cuda_manual_seed(0)
+        yield acc, layout
+        shutdown_distributed()
+
+
+def _model(acc, layout, cfg, dtype, sdpa: bool):  # noqa: ANN001, ANN202
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    from loong.core.config.schema import ParallelConfig
+    from loong.llm.models import build
+
+    tc = build.transformer_config(cfg, ParallelConfig(), dtype, acc.megatron_config_overrides())
+    if sdpa:
+        return build.build_gpt_model(cfg, tc, acc.capabilities(), True, True, layout.pg_collection).cuda()
+    from megatron.core.models.gpt import GPTModel
+
+    spec = get_gpt_layer_local_spec(qk_layernorm=cfg.qk_norm, normalization="RMSNorm")
+    return GPTModel(config=tc, transformer_layer_spec=spec, vocab_size=cfg.vocab_size,
+                    max_sequence_length=cfg.max_position_embeddings, position_embedding_type="rope",
+                    rotary_base=int(cfg.rope_theta), pg_collection=layout.pg_collection).cuda()
+
+
+def test_cuda_accelerator_is_chosen_with_bf16(cuda_layout) -> None:  # noqa: ANN001
+    acc, _ = cuda_layout
+    assert acc.name == "cuda" and acc.backend == "nccl"
+    assert acc.default_dtype() == torch.bfloat16
+    assert acc.peak_flops(torch.bfloat16) is not None
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-5), (torch.bfloat16, 3e-2)])
+def test_sdpa_attention_matches_megatron_local_attention(cuda_layout, dtype, tol) -> None:  # noqa: ANN001
+    from loong.core.state import gather_full_state, load_full_state
+    from loong.llm.models.config import DenseModelConfig
+
+    acc, layout = cuda_layout
+    torch.backends.cuda.matmul.allow_tf32 = False
+    cfg = DenseModelConfig(num_layers=2, hidden_size=128, ffn_hidden_size=256, num_attention_heads=8,
+                           num_query_groups=2, vocab_size=512, max_position_embeddings=512)
+    ours, ref = _model(acc, layout, cfg, dtype, True), _model(acc, layout, cfg, dtype, False)
+    load_full_state([ref], gather_full_state([ours]))
+    tokens = torch.randint(0, 512, (2, 256), device="cuda")
+    pos = torch.arange(256, device="cuda").expand(2, -1)
+    mask = torch.triu(torch.ones(256, 256, dtype=torch.bool, device="cuda"), 1)[None, None]
+    with torch.no_grad():
+        a = ours(tokens, pos, None).float()
+        b = ref(tokens, pos, mask).float()
+    assert ((a - b).abs().max() / b.abs().max()).item() <= tol
+
+
+def test_train_tiny_model_in_bf16_on_gpu(tmp_path: Path) -> None:
+    from loong.llm.cli import main
+
+    code = main(["train", "train.steps=40", "train.progress=false", f"output_dir={tmp_path}", "run_name=g",
+                 "train.eval_interval=0", "train.eval_iters=1"])
+    assert code == 0
+    records = [json.loads(line) for line in (tmp_path / "g" / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in records if "train_loss" in r]
+    assert train[-1]["train_loss"] < 0.9 * train[0]["train_loss"]
+    assert "mfu" in train[-1] and train[-1]["peak_memory_gib"] > 0
+    assert (tmp_path / "g" / "checkpoints" / "latest").is_file()
