@@ -35,15 +35,15 @@ def _rel(a: float, b: float) -> float:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", ["tp2", "pp2"])
+@pytest.mark.parametrize("layout", ["tp2", "pp2", "pp2vpp2"])
 def test_first_step_loss_and_gradients_match_tp1(layouts: dict, layout: str) -> None:
     assert _rel(layouts["loss"][layout], layouts["loss"]["tp1"]) <= 1e-5
-    assert layouts["grad_keys_equal"]
+    assert layouts["grad_keys_equal"][layout]
     assert layouts["grad_err"][layout] <= 1e-5
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", ["tp2", "pp2"])
+@pytest.mark.parametrize("layout", ["tp2", "pp2", "pp2vpp2"])
 def test_twenty_steps_track_tp1(layouts: dict, layout: str) -> None:
     ref, got = layouts["train"]["tp1"], layouts["train"][layout]
     assert len(ref) == len(got) == 20
@@ -52,8 +52,9 @@ def test_twenty_steps_track_tp1(layouts: dict, layout: str) -> None:
 
 
 @pytest.mark.slow
-def test_tp2_checkpoint_resumes_at_tp1_with_same_next_loss(layouts: dict) -> None:
-    resumed, tp2 = layouts["train"]["tp1_resumed_from_tp2"], layouts["train"]["tp2"]
+@pytest.mark.parametrize("target", ["tp1", "pp2"])
+def test_tp2_checkpoint_resumes_at_other_layouts_with_same_next_loss(layouts: dict, target: str) -> None:
+    resumed, tp2 = layouts["train"][f"{target}_resumed_from_tp2"], layouts["train"]["tp2"]
     assert resumed[:10] == [float("-inf")] * 10  # steps 1-10 came from the checkpoint
     assert _rel(resumed[10], tp2[10]) <= 1e-5
     assert max(_rel(a, b) for a, b in zip(resumed[10:], tp2[10:], strict=True)) <= 1e-5

@@ -106,9 +106,12 @@ class CheckpointManager:
             (tmp / CONFIG_FILE).write_text(yaml.safe_dump(config, sort_keys=False))
             if artifacts is not None:
                 artifacts(tmp)
-            if final.exists():
-                shutil.rmtree(final)
+            old = self.root / f".{name}.old"
+            if final.exists():  # re-saving a step: swap in, then drop the old copy
+                shutil.rmtree(old, ignore_errors=True)
+                os.replace(final, old)
             os.replace(tmp, final)
+            shutil.rmtree(old, ignore_errors=True)
             write_text_atomic(self.root / LATEST, name + "\n")
             self._prune(keep=name)
         _barrier()

@@ -51,14 +51,20 @@ def relaunch(nproc: int, module: str, argv: Sequence[str]) -> int:
 
 def _strip_nproc(argv: list[str]) -> tuple[int, list[str]]:
     """Remove ``--nproc-per-node N`` / ``--nproc-per-node=N`` from argv; return N (0 if absent)."""
+    def as_int(value: str) -> int:
+        try:
+            return int(value)
+        except ValueError:
+            raise LoongError(f"--nproc-per-node expects an integer, got {value!r}") from None
+
     out, nproc, i = [], 0, 0
     while i < len(argv):
         arg = argv[i]
         if arg == "--nproc-per-node" and i + 1 < len(argv):
-            nproc, i = int(argv[i + 1]), i + 2
+            nproc, i = as_int(argv[i + 1]), i + 2
             continue
         if arg.startswith("--nproc-per-node="):
-            nproc = int(arg.split("=", 1)[1])
+            nproc = as_int(arg.split("=", 1)[1])
         else:
             out.append(arg)
         i += 1
@@ -76,7 +82,11 @@ def make_cli(prog: str, description: str, module: str, commands: dict[str, Comma
     def main(argv: Sequence[str] | None = None) -> int:
         quiet_third_party()
         argv = list(sys.argv[1:] if argv is None else argv)
-        nproc, rest = _strip_nproc(argv)
+        try:
+            nproc, rest = _strip_nproc(argv)
+        except LoongError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
         if nproc > 1 and "TORCHELASTIC_RUN_ID" not in os.environ:
             return relaunch(nproc, module, rest)
         parser = argparse.ArgumentParser(

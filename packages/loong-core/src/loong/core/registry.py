@@ -9,11 +9,8 @@ from __future__ import annotations
 
 import importlib.metadata
 from collections.abc import Callable, Iterator
-from typing import Generic, TypeVar
 
 from loong.core.errors import LoongError, did_you_mean
-
-T = TypeVar("T")
 
 PLUGIN_GROUP = "loong.plugins"
 _loaded_plugins: set[str] = set()
@@ -39,7 +36,7 @@ class _Lazy:
         return getattr(importlib.import_module(module), attr)
 
 
-class Registry(Generic[T]):
+class Registry[T]:
     """A name → object table with helpful errors for unknown names."""
 
     def __init__(self, kind: str) -> None:

@@ -12,8 +12,8 @@ from collections.abc import Callable, Iterable, Mapping
 
 import torch
 import torch.distributed as dist
-from megatron.core.dist_checkpointing.mapping import ShardedTensor, apply_factories, is_main_replica
 from megatron.core.dist_checkpointing.dict_utils import nested_values
+from megatron.core.dist_checkpointing.mapping import ShardedTensor, apply_factories, is_main_replica
 
 from loong.core.errors import LoongError
 

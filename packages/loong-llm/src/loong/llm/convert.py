@@ -105,4 +105,11 @@ def convert(src: str | Path, dst: str | Path, dtype: str = "auto") -> Path:
         raise LoongError(f"{src} does not exist")
     if _is_hf_folder(src_p):
         return hf_to_loong(src_p, dst_p, dtype)
+    try:
+        resolve_checkpoint(src_p)
+    except LoongError:
+        raise LoongError(
+            f"{src} is neither a Hugging Face model folder (no config.json) nor a Loong checkpoint "
+            "(no 'latest' or trainer_state.json)"
+        ) from None
     return loong_to_hf(src_p, dst_p, dtype)

@@ -5,8 +5,6 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 
-import torch
-
 from loong.core.accelerators.base import Accelerator
 
 
@@ -23,7 +21,11 @@ class CPUAccelerator(Accelerator):
         return True
 
     def megatron_config_overrides(self) -> dict:
-        return {"use_cpu_initialization": True}
+        # batch_p2p_comm=False: with PP=2 and virtual stages a rank's previous and next stage are the
+        # same peer; gloo matches same-peer messages in posting order, and megatron's batched p2p
+        # posts sends and receives in an order that swaps activations and gradients. The unbatched
+        # path orders operations by rank parity, which matches on both sides.
+        return {"use_cpu_initialization": True, "batch_p2p_comm": False}
 
     def capabilities(self) -> set[str]:
         return {"sdpa"}

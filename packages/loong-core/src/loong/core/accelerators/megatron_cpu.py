@@ -36,6 +36,10 @@ def _set_cpu_rng_state(state: torch.Tensor, *_a: Any, **_k: Any) -> None:
     torch.set_rng_state(state)
 
 
+def _seed_host(seed: int) -> None:
+    torch.default_generator.manual_seed(int(seed))
+
+
 class _NoEvent:
     def synchronize(self) -> None: ...
     def wait(self, *_a: Any, **_k: Any) -> None: ...
@@ -92,8 +96,9 @@ ADAPTATIONS: tuple[Adaptation, ...] = (
                "token dispatcher enters `with torch.cuda.stream(...)`"),
     Adaptation("torch.cuda", "get_rng_state", lambda: _cpu_rng_state,
                "tensor_parallel.random.CudaRNGStatesTracker.add snapshots the device generator"),
-    Adaptation("torch.cuda", "manual_seed", lambda: (lambda seed: None),
-               "model_parallel_cuda_manual_seed seeds the device generator (host is seeded by us)"),
+    Adaptation("torch.cuda", "manual_seed", lambda: _seed_host,
+               "CudaRNGStatesTracker.add seeds the device generator to make each named state; on CPU "
+               "the host generator is the device one"),
     Adaptation("megatron.core.tensor_parallel.random", "_get_cuda_rng_state", lambda: _cpu_rng_state,
                "tracker.fork() swaps generator states; on CPU the host generator is the device one"),
     Adaptation("megatron.core.tensor_parallel.random", "_set_cuda_rng_state", lambda: _set_cpu_rng_state,
@@ -147,29 +152,30 @@ class MegatronOnCPU(contextlib.AbstractContextManager):
 
     def __init__(self, adaptations: tuple[Adaptation, ...] = ADAPTATIONS) -> None:
         self.adaptations = adaptations
-        self._saved: list[tuple[Any, str, Any]] = []
-        self._mode: CudaCallsOnCPU | None = None
+        # One frame per active entry (originals, record_stream, mode), so nesting one instance unwinds too.
+        self._frames: list[tuple[list[tuple[Any, str, Any]], Any, CudaCallsOnCPU]] = []
 
     def __enter__(self) -> MegatronOnCPU:
-        for ad in self.adaptations:
-            module = importlib.import_module(ad.module)
+        modules = [importlib.import_module(ad.module) for ad in self.adaptations]
+        for ad, module in zip(self.adaptations, modules, strict=True):  # check all before patching any
             if not hasattr(module, ad.attr):
                 raise RuntimeError(
                     f"megatron-core changed: {ad.module}.{ad.attr} is gone (needed because {ad.why})"
                 )
-            self._saved.append((module, ad.attr, getattr(module, ad.attr)))
+        saved = []
+        for ad, module in zip(self.adaptations, modules, strict=True):
+            saved.append((module, ad.attr, getattr(module, ad.attr)))
             setattr(module, ad.attr, ad.make())
-        self._saved_record_stream = torch.Tensor.record_stream
+        saved_record_stream = torch.Tensor.record_stream
         torch.Tensor.record_stream = lambda self, *a, **k: None  # type: ignore[method-assign]
-        self._mode = CudaCallsOnCPU()
-        self._mode.__enter__()
+        mode = CudaCallsOnCPU()
+        mode.__enter__()
+        self._frames.append((saved, saved_record_stream, mode))
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        if self._mode is not None:
-            self._mode.__exit__(*exc)
-            self._mode = None
-        torch.Tensor.record_stream = self._saved_record_stream  # type: ignore[method-assign]
-        for module, attr, original in reversed(self._saved):
+        saved, saved_record_stream, mode = self._frames.pop()
+        mode.__exit__(*exc)
+        torch.Tensor.record_stream = saved_record_stream  # type: ignore[method-assign]
+        for module, attr, original in reversed(saved):
             setattr(module, attr, original)
-        self._saved.clear()

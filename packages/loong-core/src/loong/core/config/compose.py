@@ -17,9 +17,9 @@ from hydra.errors import HydraException
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from loong.core.config.schema import from_dict, schema_keys, to_dict
 from loong.core.errors import LoongError, did_you_mean
 from loong.core.registry import CONFIG_DIRS
-from loong.core.config.schema import from_dict, schema_keys, to_dict
 
 DEFAULTS_NODE = "_loong_defaults_"
 

@@ -9,8 +9,11 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing, parallel_state
-from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-from megatron.core.distributed import finalize_model_grads
+from megatron.core.distributed import (
+    DistributedDataParallel,
+    DistributedDataParallelConfig,
+    finalize_model_grads,
+)
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -53,6 +56,12 @@ class MegatronEngine(Engine):
         self.task, self.cfg, self.accelerator, self.layout = task, cfg, accelerator, layout
         self.dtype = resolve_dtype(cfg.train.precision, accelerator)
         self.num_microbatches = num_microbatches(cfg, layout.dp)
+        if cfg.parallel.vpp and self.num_microbatches < cfg.parallel.pp:
+            raise LoongError(
+                f"the interleaved pipeline (parallel.vpp) needs at least parallel.pp={cfg.parallel.pp} "
+                f"micro-batches per step; this layout has {self.num_microbatches} (raise "
+                "train.global_batch_size or lower train.micro_batch_size)"
+            )
         self.config = task.model_config(self.dtype)
         device = accelerator.device(layout.local_rank)
         vpp = cfg.parallel.vpp or 1

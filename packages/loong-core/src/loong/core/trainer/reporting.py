@@ -8,8 +8,14 @@ from pathlib import Path
 from typing import Any
 
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-from rich.progress import TimeRemainingColumn
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
 
 
 class Reporter:
@@ -67,14 +73,16 @@ class Reporter:
         if self.enabled:
             self.console.print(message)
 
-    def close(self) -> Path | None:
-        """Stop the bar, flush files and draw the loss curve; returns the PNG path."""
-        if not self.enabled:
+    def close(self, plot: bool = True) -> Path | None:
+        """Stop the bar, flush files and (``plot``) draw the loss curve; returns the PNG path."""
+        if not self.enabled or self._jsonl.closed:
             return None
         if self._progress is not None:
             self._progress.stop()
         self._jsonl.close()
         self._writer.close()
+        if not plot:
+            return None
         return plot_loss(self.run_dir / "metrics.jsonl", self.run_dir / "loss.png")
 
 

@@ -110,60 +110,64 @@ class Trainer:
         t = self.cfg.train
         logging_rank = self.layout.is_logging_rank
         reporter = Reporter(self.run_dir, t.steps, start_step, logging_rank, t.progress)
-        tokens_per_step = self.task.tokens_per_step()
-        flops_per_token = self.task.flops_per_token()
-        peak = self.accelerator.peak_flops(getattr(self.engine, "dtype", torch.float32))
-        peak_total = peak * self.layout.world_size if peak else None
-        first_loss = last_loss = None
-        last_ckpt: Path | None = None
-        interrupted = False
-        self.accelerator.reset_peak_memory()
-        started = time.perf_counter()
-        step = start_step
-        window_tokens, window_start = 0, time.perf_counter()
-        with _StopFlag() as stop:
-            while step < t.steps:
-                metrics = self.engine.train_step(step)
-                step += 1
-                if not math.isnan(metrics.loss):
-                    first_loss = metrics.loss if first_loss is None else first_loss
-                    last_loss = metrics.loss
-                window_tokens += tokens_per_step
-                if step % t.log_interval == 0 or step == t.steps:
-                    self.accelerator.synchronize()
-                    elapsed = time.perf_counter() - window_start
-                    tps = window_tokens / elapsed if elapsed > 0 else 0.0
-                    mfu = tps * flops_per_token / peak_total if (peak_total and flops_per_token) else None
-                    record = {"step": step, "train_loss": metrics.loss, "lr": metrics.lr,
-                              "tokens_per_s": round(tps, 1)}
-                    if metrics.grad_norm is not None:
-                        record["grad_norm"] = metrics.grad_norm
-                    if mfu is not None:
-                        record["mfu"] = round(mfu, 4)
-                    mem = self.accelerator.max_memory_allocated()
-                    if mem is not None:
-                        record["peak_memory_gib"] = round(mem / 2**30, 2)
-                    reporter.log(record)
-                    reporter.advance(step, metrics.loss, tps, mfu)
-                    window_tokens, window_start = 0, time.perf_counter()
-                if t.eval_interval and step % t.eval_interval == 0 and step < t.steps:
-                    reporter.log({"step": step, "eval_loss": self.engine.eval_loss(t.eval_iters)})
-                if t.save_interval and step % t.save_interval == 0 and step < t.steps:
+        try:
+            tokens_per_step = self.task.tokens_per_step()
+            flops_per_token = self.task.flops_per_token()
+            peak = self.accelerator.peak_flops(getattr(self.engine, "dtype", torch.float32))
+            peak_total = peak * self.layout.world_size if peak else None
+            first_loss = last_loss = None
+            last_ckpt: Path | None = None
+            interrupted = False
+            self.accelerator.reset_peak_memory()
+            started = time.perf_counter()
+            step = start_step
+            window_tokens, window_start = 0, time.perf_counter()
+            with _StopFlag() as stop:
+                while step < t.steps:
+                    metrics = self.engine.train_step(step)
+                    step += 1
+                    if not math.isnan(metrics.loss):
+                        first_loss = metrics.loss if first_loss is None else first_loss
+                        last_loss = metrics.loss
+                    window_tokens += tokens_per_step
+                    if step % t.log_interval == 0 or step == t.steps:
+                        self.accelerator.synchronize()
+                        elapsed = time.perf_counter() - window_start
+                        tps = window_tokens / elapsed if elapsed > 0 else 0.0
+                        mfu = tps * flops_per_token / peak_total if (peak_total and flops_per_token) else None
+                        record = {"step": step, "train_loss": metrics.loss, "lr": metrics.lr,
+                                  "tokens_per_s": round(tps, 1)}
+                        if metrics.grad_norm is not None:
+                            record["grad_norm"] = metrics.grad_norm
+                        if mfu is not None:
+                            record["mfu"] = round(mfu, 4)
+                        mem = self.accelerator.max_memory_allocated()
+                        if mem is not None:
+                            record["peak_memory_gib"] = round(mem / 2**30, 2)
+                        reporter.log(record)
+                        reporter.advance(step, metrics.loss, tps, mfu)
+                        window_tokens, window_start = 0, time.perf_counter()
+                    if t.eval_interval and step % t.eval_interval == 0 and step < t.steps:
+                        reporter.log({"step": step, "eval_loss": self.engine.eval_loss(t.eval_iters)})
+                    if t.save_interval and step % t.save_interval == 0 and step < t.steps:
+                        last_ckpt = self.save(step, last_loss)
+                    out_of_time = bool(t.time_limit_s) and time.perf_counter() - started > t.time_limit_s
+                    if self._any(stop.raised or out_of_time):
+                        interrupted = stop.raised
+                        reporter.print(f"stopping at step {step}: "
+                                       f"{'signal received' if stop.raised else 'train.time_limit_s reached'}")
+                        break
+                eval_loss = self.engine.eval_loss(t.eval_iters) if t.eval_iters else None
+                if eval_loss is not None:
+                    reporter.log({"step": step, "eval_loss": eval_loss})
+                if t.save_final or step < t.steps:  # a run stopped early always saves
                     last_ckpt = self.save(step, last_loss)
-                out_of_time = bool(t.time_limit_s) and time.perf_counter() - started > t.time_limit_s
-                if self._any(stop.raised or out_of_time):
-                    interrupted = stop.raised
-                    reporter.print(f"stopping at step {step}: "
-                                   f"{'signal received' if stop.raised else 'train.time_limit_s reached'}")
-                    break
-            eval_loss = self.engine.eval_loss(t.eval_iters) if t.eval_iters else None
-            if eval_loss is not None:
-                reporter.log({"step": step, "eval_loss": eval_loss})
-            if t.save_final or step < t.steps:  # a run stopped early always saves
-                last_ckpt = self.save(step, last_loss)
-        hf_dir = None
-        if t.save_hf and not interrupted:
-            hf_dir = self.task.export(self.engine.model_chunks, self.run_dir / "hf")
+            hf_dir = None
+            if t.save_hf and not interrupted:
+                hf_dir = self.task.export(self.engine.model_chunks, self.run_dir / "hf")
+        except BaseException:
+            reporter.close(plot=False)  # release files and TensorBoard on any failure
+            raise
         png = reporter.close()
         wall = time.perf_counter() - started
         summary = {"steps": step - start_step, "wall_s": round(wall, 2),
