@@ -40,6 +40,12 @@ class PretrainTask(Task):
 
     # --- model -----------------------------------------------------------------------------
     def model_config(self, dtype: torch.dtype) -> Any:
+        p = self.cfg.parallel
+        if p.sequence_parallel and p.tp > 1 and "transformer_engine" not in self.accelerator.capabilities():
+            raise LoongError(
+                "parallel.sequence_parallel=true needs Transformer Engine (megatron-core's torch norms "
+                "do not support it); install loong-core[te] or set parallel.sequence_parallel=false"
+            )
         overrides = self.accelerator.megatron_config_overrides()
         return transformer_config(self.cfg.model, self.cfg.parallel, dtype, overrides)
 

@@ -1,8 +1,8 @@
 """Raw text / JSONL corpora tokenised on the fly and packed into fixed-length samples.
 
 Documents are joined with the end-of-document token into one token stream, which is cut into
-non-overlapping windows of ``seq_length + 1`` tokens (inputs and shifted labels), as in Megatron-LM
-pretraining. The last ``valid_fraction`` of the stream is held out for evaluation.
+windows of ``seq_length + 1`` tokens (inputs and shifted labels) that start every ``seq_length``
+tokens, so each window's last token is the next one's first, as in Megatron-LM pretraining. The last ``valid_fraction`` of the stream is held out for evaluation.
 """
 
 from __future__ import annotations
