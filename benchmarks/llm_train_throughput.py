@@ -6,6 +6,9 @@ Each runs in its own process (clean memory statistics). Prints a table and write
 command, versions, hardware and figures to ``benchmarks/results/``.
 
     python benchmarks/llm_train_throughput.py --preset llama3_2_1b --seq 4096 --mbs 4 --gbs 16 --steps 30
+    python benchmarks/llm_train_throughput.py --preset tiny --seq 128 --mbs 16 --gbs 16 --steps 60   # CPU
+
+On CPU the figures are tokens/s only (fp32 on both sides, no MFU or device memory).
 """
 
 from __future__ import annotations
@@ -40,8 +43,8 @@ def _loong(args: argparse.Namespace, out: Path) -> dict:
     return {
         "command": "loong-llm " + " ".join(cmd[3:]),
         "tokens_per_s": statistics.median(r["tokens_per_s"] for r in recs),
-        "mfu": statistics.median(r["mfu"] for r in recs),
-        "peak_memory_gib": max(r["peak_memory_gib"] for r in recs),
+        "mfu": statistics.median(r["mfu"] for r in recs) if "mfu" in recs[0] else None,
+        "peak_memory_gib": max(r["peak_memory_gib"] for r in recs) if "peak_memory_gib" in recs[0] else None,
         "loss_first_last": [recs[0]["train_loss"], recs[-1]["train_loss"]],
         "wall_s": round(time.time() - t0, 1),
     }
@@ -68,29 +71,34 @@ def _hf_worker(args: argparse.Namespace) -> None:
                          head_dim=m.kv_channels, vocab_size=m.vocab_size, max_position_embeddings=m.max_position_embeddings,
                          rope_theta=m.rope_theta, rope_scaling=rope, tie_word_embeddings=m.tie_word_embeddings,
                          rms_norm_eps=m.norm_eps, attn_implementation="sdpa")
-    model = LlamaForCausalLM(hf_cfg).cuda().train()
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-4, betas=(0.9, 0.95), weight_decay=0.1, fused=True)
+    gpu = torch.cuda.is_available()
+    device = "cuda" if gpu else "cpu"
+    model = LlamaForCausalLM(hf_cfg).to(device).train()
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-4, betas=(0.9, 0.95), weight_decay=0.1, fused=gpu)
     accum = args.gbs // args.mbs
-    gen = torch.Generator(device="cuda").manual_seed(0)
+    gen = torch.Generator(device=device).manual_seed(0)
+    sync = torch.cuda.synchronize if gpu else (lambda: None)
     tps = []
-    torch.cuda.reset_peak_memory_stats()
+    if gpu:
+        torch.cuda.reset_peak_memory_stats()
     for _ in range(args.steps):
-        torch.cuda.synchronize()
+        sync()
         t0 = time.perf_counter()
         for _ in range(accum):
-            ids = torch.randint(0, 512, (args.mbs, args.seq + 1), device="cuda", generator=gen)
-            with torch.autocast("cuda", dtype=torch.bfloat16):
+            ids = torch.randint(0, 512, (args.mbs, args.seq + 1), device=device, generator=gen)
+            with torch.autocast(device, dtype=torch.bfloat16, enabled=gpu):
                 loss = model(input_ids=ids[:, :-1], labels=ids[:, 1:]).loss
             (loss / accum).backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
-        torch.cuda.synchronize()
+        sync()
         tps.append(args.gbs * args.seq / (time.perf_counter() - t0))
     tok_s = statistics.median(tps[args.warmup:])
-    mfu = tok_s * training_flops_per_token(m, args.seq) / 989e12
-    print(json.dumps({"tokens_per_s": round(tok_s, 1), "mfu": round(mfu, 4),
-                      "peak_memory_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2)}))
+    mfu = tok_s * training_flops_per_token(m, args.seq) / 989e12 if gpu else None
+    mem = round(torch.cuda.max_memory_allocated() / 2**30, 2) if gpu else None
+    print(json.dumps({"tokens_per_s": round(tok_s, 1), "mfu": None if mfu is None else round(mfu, 4),
+                      "peak_memory_gib": mem}))
 
 
 def _hf(args: argparse.Namespace) -> dict:
@@ -146,7 +154,9 @@ def main() -> None:
         if "error" in r:
             print(f"{name:<40}  failed: {r['error'].strip().splitlines()[-1][:80]}")
         else:
-            print(f"{name:<40}{r['tokens_per_s']:>12,.0f}{r['mfu']:>8.1%}{r['peak_memory_gib']:>10.1f}")
+            mfu = f"{r['mfu']:.1%}" if r["mfu"] is not None else "-"
+            mem = f"{r['peak_memory_gib']:.1f}" if r["peak_memory_gib"] is not None else "-"
+            print(f"{name:<40}{r['tokens_per_s']:>12,.0f}{mfu:>8}{mem:>10}")
     if "error" not in loong and "error" not in hf:
         print(f"speed-up over HF: {loong['tokens_per_s'] / hf['tokens_per_s']:.2f}x")
     hw = _hardware()
@@ -154,7 +164,7 @@ def main() -> None:
               "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]), "args": vars(args),
               "versions": _versions(), "hardware": hw, "loong": loong, "hf_transformers": hf}
     RESULTS.mkdir(exist_ok=True)
-    tag = (hw.get("gpu") or "cpu").split()[-1].lower()
+    tag = (hw.get("gpu") or "cpu").split()[-1].lower()  # e.g. h200, or cpu
     out = Path(args.out) if args.out else RESULTS / f"llm_train_{tag}_{args.preset}_{time.strftime('%Y%m%d')}.json"
     out.write_text(json.dumps(result, indent=2))
     print(f"wrote {out}")
