@@ -124,7 +124,7 @@ def test_resume_from_non_checkpoint(cli, inputs: Path) -> None:
 def test_convert_unknown_source(cli, inputs: Path, tmp_path: Path) -> None:
     dst = tmp_path / "converted"
     msg = cli("convert", str(inputs / "emptydir"), str(dst), train=False)
-    assert str(inputs / "emptydir") in msg and "not a Loong checkpoint" in msg
+    assert str(inputs / "emptydir") in msg and "nor a Loong checkpoint" in msg and "config.json" in msg
     assert not dst.exists()
 
 

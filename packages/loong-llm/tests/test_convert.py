@@ -59,7 +59,7 @@ def test_hf_to_loong_writes_weights_only_checkpoint(converted: dict[str, Path]) 
     assert state["step"] == 0 and state["weights_only"] is True
     model = read_config(step_dir)["model"]
     assert (model["family"], model["num_layers"], model["hidden_size"], model["ffn_hidden_size"]) == (
-        "llama", 2, 64, 128)
+        "llama", 4, 64, 128)
     assert (model["num_attention_heads"], model["num_query_groups"], model["vocab_size"]) == (4, 2, 512)
     assert model["max_position_embeddings"] == 256 and model["tie_word_embeddings"] is False
 
@@ -95,7 +95,7 @@ def test_resume_from_converted_takes_model_from_checkpoint(runs: dict[str, Path]
     step_dir = resolve_checkpoint(runs["resumed"])
     model = read_config(step_dir)["model"]
     # no model override was given: the shape is the checkpoint's, not the tiny default (4 x 128)
-    assert (model["num_layers"], model["hidden_size"], model["num_query_groups"]) == (2, 64, 2)
+    assert (model["num_layers"], model["hidden_size"], model["num_query_groups"]) == (4, 64, 2)
     assert read_state(step_dir)["step"] == 3  # a weights-only checkpoint starts a fresh run at step 0
     assert [s for s, _ in _train_losses(runs["resumed"])] == [1, 2, 3]
 
