@@ -11,8 +11,9 @@ import torch
 pytestmark = pytest.mark.gpu
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def cuda_layout():
+    """A world of one on the GPU, per test (a training run in between tears process groups down)."""
     from loong.core.accelerators import select_accelerator
     from loong.core.config.schema import ParallelConfig
     from loong.core.parallel import init_distributed, shutdown_distributed
@@ -84,3 +85,25 @@ def test_train_tiny_model_in_bf16_on_gpu(tmp_path: Path) -> None:
     assert train[-1]["train_loss"] < 0.9 * train[0]["train_loss"]
     assert "mfu" in train[-1] and train[-1]["peak_memory_gib"] > 0
     assert (tmp_path / "g" / "checkpoints" / "latest").is_file()
+
+
+def test_hf_llama_logits_match_on_gpu_in_bf16(cuda_layout, tiny_llama_hf: Path) -> None:  # noqa: ANN001
+    from transformers import AutoModelForCausalLM
+
+    from loong.core.config.schema import ParallelConfig
+    from loong.llm.hf import load_hf_into, model_config_from_hf
+    from loong.llm.models import build
+
+    acc, layout = cuda_layout
+    cfg = model_config_from_hf(tiny_llama_hf)
+    tc = build.transformer_config(cfg, ParallelConfig(), torch.bfloat16, acc.megatron_config_overrides())
+    ours = build.build_gpt_model(cfg, tc, acc.capabilities(), True, True, layout.pg_collection).cuda()
+    load_hf_into([ours], tiny_llama_hf, cfg)
+    ref = AutoModelForCausalLM.from_pretrained(tiny_llama_hf, dtype=torch.bfloat16).cuda().eval()
+    tokens = torch.randint(0, 512, (2, 128), device="cuda")
+    pos = torch.arange(128, device="cuda").expand(2, -1)
+    with torch.no_grad():
+        a = ours(tokens, pos, None).float()
+        b = ref(tokens).logits.float()
+    assert ((a - b).abs().max() / b.abs().max()).item() <= 3e-2
+    assert (a.argmax(-1) == b.argmax(-1)).float().mean().item() >= 0.95
