@@ -111,6 +111,16 @@ def test_tp_not_dividing_heads(cli) -> None:
     assert "tp=2" in msg and "3 attention heads" in msg
 
 
+def test_expert_parallel_on_a_dense_model(cli) -> None:
+    msg = cli("parallel.ep=2")
+    assert "parallel.ep=2" in msg and "experts" in msg
+
+
+def test_layout_larger_than_the_world(cli) -> None:
+    msg = cli("parallel.tp=2")  # one process: tp=2 cannot be laid out
+    assert "world size 1" in msg and "tp" in msg
+
+
 def test_init_from_unsupported_hf_architecture(cli, inputs: Path) -> None:
     msg = cli(f"model.init_from_hf={inputs / 'gpt2'}")
     assert "GPT2LMHeadModel" in msg and str(inputs / "gpt2") in msg and "LlamaForCausalLM" in msg

@@ -33,6 +33,8 @@ class PretrainTask(Task):
             cfg.model = hf.model_config_from_hf(cfg.model.init_from_hf, keep=cfg.model)
         p, m = cfg.parallel, cfg.model
         check_model_layout(m, p.tp, p.pp * (p.vpp or 1), cfg.train.seq_length)
+        if p.ep > 1:
+            raise LoongError(f"parallel.ep={p.ep}: dense models have no experts (expert parallelism is for MoE)")
         if m.vocab_size % p.tp:
             raise LoongError(f"parallel.tp={p.tp} does not divide model.vocab_size={m.vocab_size}")
         if cfg.data.path is not None and not Path(cfg.data.path).exists():
@@ -45,6 +47,11 @@ class PretrainTask(Task):
             raise LoongError(
                 "parallel.sequence_parallel=true needs Transformer Engine (megatron-core's torch norms "
                 "do not support it); install loong-core[te] or set parallel.sequence_parallel=false"
+            )
+        if p.cp > 1 and "transformer_engine" not in self.accelerator.capabilities():
+            raise LoongError(
+                f"parallel.cp={p.cp} (context parallelism) needs Transformer Engine's attention; "
+                "install loong-core[te] or set parallel.cp=1"
             )
         overrides = self.accelerator.megatron_config_overrides()
         return transformer_config(self.cfg.model, self.cfg.parallel, dtype, overrides)
