@@ -19,6 +19,16 @@ class RopeScaling:
 
 
 @dataclass
+class LoraConfig:
+    """Low-rank adapters on the megatron linear layers; ``rank=0`` disables them."""
+
+    rank: int = 0
+    alpha: float = 16.0
+    dropout: float = 0.0
+    targets: list = field(default_factory=lambda: ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"])
+
+
+@dataclass
 class DenseModelConfig:
     """Shape and family switches of a dense decoder. ``family`` selects the HF mapping."""
 
@@ -40,6 +50,7 @@ class DenseModelConfig:
     qk_norm: bool = False
     init_std: float = 0.02
     init_from_hf: str | None = None
+    lora: LoraConfig = field(default_factory=LoraConfig)
     extra: dict = field(default_factory=dict)
 
     @property
