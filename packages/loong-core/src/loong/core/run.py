@@ -37,13 +37,26 @@ def _find_resume(cfg: Any, run_dir: Path) -> Path | None:
     return resolve_checkpoint(resume)
 
 
+def _with_model_overrides(model: dict, overrides: list[str]) -> dict:
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from omegaconf import OmegaConf
+
+    node = OmegaConf.create(model)
+    for o in OverridesParser.create().parse_overrides(overrides):
+        if o.key_or_group.startswith("model."):
+            OmegaConf.update(node, o.key_or_group[len("model."):], o.value(), force_add=True)
+    return OmegaConf.to_container(node)
+
+
 def train(config_module: str, config_name: str, overrides: list[str], schema: type,
           echo: Any = print) -> TrainResult:
     """Compose the config and run it to the end. Bad input raises LoongError before anything is written."""
     cfg, plain = compose_config(config_module, config_name, overrides, schema)
     if cfg.train.resume not in ("auto", "none", "never", ""):
-        # An explicit checkpoint defines the model it holds (e.g. one made by `convert`).
-        plain["model"] = read_config(resolve_checkpoint(cfg.train.resume))["model"]
+        # An explicit checkpoint defines the model it holds (e.g. one made by `convert`); model.*
+        # keys given on the command line (e.g. model.lora.rank=8) still win.
+        plain["model"] = _with_model_overrides(read_config(resolve_checkpoint(cfg.train.resume))["model"],
+                                               overrides)
         cfg = from_dict(schema, plain)
     task_cls = TASKS.get(cfg.task)
     engine_cls = ENGINES.get(cfg.engine)

@@ -41,5 +41,6 @@ class Engine(ABC):
         """Raise LoongError when state saved at layout ``saved`` cannot be loaded at this one."""
 
     @abstractmethod
-    def load(self, directory: Path, load_optimizer: bool = True) -> None:
-        """Restore what :meth:`save` wrote, at any layout."""
+    def load(self, directory: Path, load_optimizer: bool = True, allow_missing: bool = False) -> None:
+        """Restore what :meth:`save` wrote, at any layout (``allow_missing``: keep the fresh
+        initialisation of tensors the checkpoint does not hold, for weights-only checkpoints)."""

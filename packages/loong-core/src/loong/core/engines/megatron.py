@@ -225,14 +225,28 @@ class MegatronEngine(Engine):
             for g, lr in zip(opt.optimizer.param_groups, lrs, strict=True):
                 g["lr"] = lr
 
-    def load(self, directory: Path, load_optimizer: bool = True) -> None:
+    def load(self, directory: Path, load_optimizer: bool = True, allow_missing: bool = False) -> None:
         sd = self._model_sd()
+        absent: set[str] = set()
+        if allow_missing:
+            # A weights-only checkpoint (e.g. converted from HF) lacks what this run adds, such as
+            # LoRA adapters: load what it has and keep the fresh initialisation of the rest.
+            saved = set(dist_checkpointing.load_tensors_metadata(str(directory)))
+            for chunk_sd in sd.values():
+                for name in [n for n, v in chunk_sd.items() if getattr(v, "key", None) not in saved]:
+                    if hasattr(chunk_sd[name], "key"):
+                        absent.add(name)
+                        del chunk_sd[name]
         if load_optimizer:
             self._materialise_optimizer_state()
             sd["optimizer"] = self._optimizer_sd(sd, is_loading=True)
         loaded = dist_checkpointing.load(sd, str(directory))
         for key, chunk in zip(self._model_sd(), self.model_chunks, strict=True):
-            unwrap(chunk).load_state_dict(loaded[key])
+            result = unwrap(chunk).load_state_dict(loaded[key], strict=not absent)
+            missing = set(getattr(result, "missing_keys", [])) - absent
+            missing = {k for k in missing if not k.endswith("_extra_state")}
+            if missing:
+                raise LoongError(f"{directory} lacks model weights {sorted(missing)[:3]}")
         if load_optimizer:
             # With fp32 params the distributed optimiser's main shards are views of the model's
             # leaf parameters; loading in-place needs autograd off.

@@ -73,7 +73,7 @@ class Trainer:
         """
         state = read_state(step_dir)
         if state.get("weights_only"):
-            self.engine.load(step_dir, load_optimizer=False)
+            self.engine.load(step_dir, load_optimizer=False, allow_missing=True)
             return 0
         self.engine.check_resume_layout(state.get("layout", {}))
         self.engine.load(step_dir)
