@@ -6,9 +6,6 @@ One 2-process gloo launch runs every layout (see workers/layouts.py); start-up d
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -17,16 +14,9 @@ WORKER = Path(__file__).parent / "workers" / "layouts.py"
 
 
 @pytest.fixture(scope="module")
-def layouts(tiny_llama_hf: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
+def layouts(tiny_llama_hf: Path, tmp_path_factory: pytest.TempPathFactory, run_workers) -> dict:  # noqa: ANN001
     out = tmp_path_factory.mktemp("layouts") / "result.json"
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK",
-                                                           "MASTER_PORT", "LOONG_SINGLE_PROCESS")}
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-         str(WORKER), str(tiny_llama_hf), str(out)],
-        capture_output=True, text=True, timeout=600, env=env,
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    run_workers(WORKER, str(tiny_llama_hf), str(out))
     return json.loads(out.read_text())
 
 

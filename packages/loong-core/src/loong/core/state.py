@@ -45,9 +45,13 @@ def _index(st: ShardedTensor) -> tuple:
 
 
 @torch.no_grad()
-def load_full_state(model_chunks: Iterable[torch.nn.Module], full: Mapping[str, torch.Tensor]) -> None:
-    """Copy whole tensors ``full`` (keyed by sharded keys) into this rank's slices of the model."""
-    tensors = sharded_tensors(model_chunks)
+def load_full_state(model_chunks: Iterable[torch.nn.Module], full: Mapping[str, torch.Tensor],
+                    select: Callable[[str], bool] | None = None) -> None:
+    """Copy whole tensors ``full`` (keyed by sharded keys) into this rank's slices of the model.
+
+    ``select(key)`` limits which of the model's tensors are loaded (default: all; each must be in ``full``).
+    """
+    tensors = [st for st in sharded_tensors(model_chunks) if select is None or select(st.key)]
     missing = sorted({st.key for st in tensors if st.key not in full})
     if missing:
         raise LoongError(f"weights missing for {len(missing)} tensors, e.g. {missing[:3]}")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from loong.core.cli import Command, make_cli
@@ -21,7 +22,10 @@ def _presets_epilog() -> str:
         "",
         "any key can be overridden with dotted KEY=VALUE, e.g.:",
         "  loong-llm train model=qwen3_0_6b data.path=corpus.jsonl train.steps=1000 parallel.tp=2",
-        "keys: model.*, data.{path,format,text_field,tokenizer}, train.{steps,seq_length,",
+        "  loong-llm train task=sft train.seq_length=256          (chat data; see docs/data.md)",
+        "keys: task (pretrain|sft), model.* (incl. model.lora.{rank,alpha,dropout,targets}),",
+        "  data.{path,paths,split,format,text_field,tokenizer,chat_format,chat_template,packing,",
+        "  overlong,on_error}, train.{steps,seq_length,",
         "  global_batch_size,micro_batch_size,lr,...}, parallel.{tp,pp,vpp,cp,ep,sequence_parallel},",
         "  output_dir, run_name",
     ]
@@ -40,6 +44,8 @@ def _run_train(args: argparse.Namespace) -> int:
         print(msg, file=sys.stderr)
 
     result = train(CONFIG_MODULE, CONFIG_NAME, args.overrides, LLMRunConfig, echo=echo)
+    if not result.is_logging_rank:
+        return 0
     if result.first_loss is not None and result.last_loss is not None:
         drop = 1 - result.last_loss / result.first_loss
         print(f"loss {result.first_loss:.4f} -> {result.last_loss:.4f} ({drop:.0%} lower) "
@@ -58,13 +64,43 @@ def _setup_convert(p: argparse.ArgumentParser) -> None:
     p.add_argument("dst", help="output folder")
     p.add_argument("--dtype", choices=["auto", "bf16", "fp32", "fp16"], default="auto",
                    help="dtype of the written Hugging Face weights (auto: as saved)")
+    p.add_argument("--merge-lora", action="store_true",
+                   help="merge a LoRA checkpoint's adapters into the base weights (needed for LoRA checkpoints)")
 
 
 def _run_convert(args: argparse.Namespace) -> int:
     from loong.llm.convert import convert
 
-    out = convert(args.src, args.dst, dtype=args.dtype)
+    out = convert(args.src, args.dst, dtype=args.dtype, merge_lora=args.merge_lora)
     print(f"wrote {out}", file=sys.stderr)
+    return 0
+
+
+def _setup_preprocess(p: argparse.ArgumentParser) -> None:
+    p.add_argument("inputs", nargs="+", metavar="INPUT", help="text (one document per line), .jsonl or .parquet files")
+    p.add_argument("--output-prefix", required=True, metavar="P", help="writes P.bin, P.idx and P.json")
+    p.add_argument("--tokenizer", default=None, metavar="DIR",
+                   help="local Hugging Face tokenizer folder (default: the packaged tokenizer)")
+    p.add_argument("--text-field", default="text", help="JSONL field / Parquet column holding the text (text)")
+    p.add_argument("--format", default="auto", choices=["auto", "text", "jsonl", "parquet"],
+                   help="input format (auto: from each file's suffix)")
+    p.add_argument("--workers", type=int, default=max(1, min(8, (os.cpu_count() or 1))),
+                   help="tokenising processes (default: the CPU count, at most 8)")
+    p.add_argument("--on-error", default="raise", choices=["raise", "skip"],
+                   help="a malformed record fails the run (raise) or is counted and skipped (skip)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def _run_preprocess(args: argparse.Namespace) -> int:
+    from loong.llm.data.preprocess import preprocess
+
+    s = preprocess(args.inputs, args.output_prefix, tokenizer=args.tokenizer, fmt=args.format,
+                   text_field=args.text_field, workers=args.workers, on_error=args.on_error,
+                   progress=not args.no_progress)
+    print(f"wrote {s['output_prefix']}.{{bin,idx,json}} ({s['dtype']} tokens)\n"
+          f"documents: {s['documents']}\ntokens: {s['tokens']}\n"
+          f"skipped: {s['skipped']} ({s['skipped_empty']} empty, {s['skipped_invalid']} invalid)\n"
+          f"seconds: {s['seconds']} (tokenising {s['tokenize_seconds']})\ntokens/s: {s['tokens_per_s']}")
     return 0
 
 
@@ -75,6 +111,8 @@ main = make_cli(
     commands={
         "train": Command("train a model (default: the tiny model on the shipped corpus, on CPU)",
                          _setup_train, _run_train),
+        "preprocess": Command("tokenise text/JSONL/Parquet into indexed shards for data.path / data.paths",
+                              _setup_preprocess, _run_preprocess),
         "convert": Command("convert a Hugging Face folder to a Loong checkpoint, or back (direction from SRC)",
                            _setup_convert, _run_convert),
     },

@@ -17,6 +17,8 @@ from loong.core.config.schema import ParallelConfig, from_dict
 from loong.core.errors import LoongError
 from loong.core.parallel import init_distributed, shutdown_distributed
 from loong.llm.hf import load_hf_into, model_config_from_hf, write_hf
+from loong.llm.lora import is_adapter_key
+from loong.llm.lora import merge_lora as merge
 from loong.llm.models.build import build_gpt_model, transformer_config
 from loong.llm.models.config import DenseModelConfig
 from loong.llm.models.hf_mapping import native_shapes
@@ -73,8 +75,12 @@ def hf_to_loong(src: Path, dst: Path, dtype: str = "auto") -> Path:
     return dst / "checkpoints"
 
 
-def loong_to_hf(src: Path, dst: Path, dtype: str = "auto") -> Path:
-    """Export a Loong checkpoint (any layout it was saved at) as an HF folder."""
+def loong_to_hf(src: Path, dst: Path, dtype: str = "auto", merge_lora: bool = False) -> Path:
+    """Export a Loong checkpoint (any layout it was saved at) as an HF folder.
+
+    A checkpoint with LoRA adapters needs ``merge_lora=True`` (``--merge-lora``): the adapters are
+    merged into the base weights (``W + alpha/rank·B@A``); without it nothing is written.
+    """
     from megatron.core.dist_checkpointing.serialization import load_plain_tensors
 
     step_dir = resolve_checkpoint(src)
@@ -88,6 +94,14 @@ def loong_to_hf(src: Path, dst: Path, dtype: str = "auto") -> Path:
         finally:
             shutdown_distributed()
     wanted = native_shapes(model_cfg)
+    adapters = [k for k in plain if is_adapter_key(k) and not k.startswith("optimizer.")]
+    if adapters and not merge_lora:
+        raise LoongError(
+            f"{step_dir} is a LoRA checkpoint ({len(adapters)} adapter tensors, model.lora.rank="
+            f"{model_cfg.lora.rank}); pass --merge-lora to merge the adapters into the Hugging Face weights"
+        )
+    if adapters:
+        plain = merge({k: plain[k] for k in [*wanted, *adapters] if k in plain}, model_cfg.lora)
     native = {k: v for k, v in plain.items() if k in wanted}
     missing = sorted(set(wanted) - set(native))
     if missing:
@@ -98,12 +112,17 @@ def loong_to_hf(src: Path, dst: Path, dtype: str = "auto") -> Path:
     return write_hf(native, model_cfg, dst, out_dtype, tokenizer_dir=tokenizer if tokenizer.is_dir() else None)
 
 
-def convert(src: str | Path, dst: str | Path, dtype: str = "auto") -> Path:
-    """Convert in the direction SRC implies. Nothing is written when SRC is not understood."""
+def convert(src: str | Path, dst: str | Path, dtype: str = "auto", merge_lora: bool = False) -> Path:
+    """Convert in the direction SRC implies. Nothing is written when SRC is not understood.
+
+    ``merge_lora``: merge a LoRA checkpoint's adapters into the written HF weights (Loong → HF only).
+    """
     src_p, dst_p = Path(src), Path(dst)
     if not src_p.exists():
         raise LoongError(f"{src} does not exist")
     if _is_hf_folder(src_p):
+        if merge_lora:
+            raise LoongError(f"--merge-lora applies to a Loong checkpoint; {src} is a Hugging Face folder")
         return hf_to_loong(src_p, dst_p, dtype)
     try:
         resolve_checkpoint(src_p)
@@ -112,4 +131,4 @@ def convert(src: str | Path, dst: str | Path, dtype: str = "auto") -> Path:
             f"{src} is neither a Hugging Face model folder (no config.json) nor a Loong checkpoint "
             "(no 'latest' or trainer_state.json)"
         ) from None
-    return loong_to_hf(src_p, dst_p, dtype)
+    return loong_to_hf(src_p, dst_p, dtype, merge_lora=merge_lora)

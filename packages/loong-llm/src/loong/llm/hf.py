@@ -58,7 +58,13 @@ def load_hf_into(model_chunks: list[torch.nn.Module], path: str | Path, cfg: Den
     """Load an HF folder's weights into this rank's slices of the model."""
     hf_config, state = read_hf_folder(path)
     family_for_hf_config(hf_config, source=str(path))
-    load_full_state(model_chunks, hf_to_native(state, cfg))
+    native = hf_to_native(state, cfg)
+    if cfg.lora.rank > 0:
+        from loong.llm.lora import load_base_state
+
+        load_base_state(model_chunks, native)  # the adapters keep their initialisation
+    else:
+        load_full_state(model_chunks, native)
 
 
 def write_hf(native: dict[str, torch.Tensor], cfg: DenseModelConfig, out_dir: Path, dtype: torch.dtype,
@@ -72,9 +78,16 @@ def write_hf(native: dict[str, torch.Tensor], cfg: DenseModelConfig, out_dir: Pa
 
 def export_model(model_chunks: list[torch.nn.Module], cfg: DenseModelConfig, out_dir: Path,
                  tokenizer: Any = None) -> Path:
-    """Gather the model from every rank and write an HF folder on rank 0 (collective)."""
+    """Gather the model from every rank and write an HF folder on rank 0 (collective).
+
+    LoRA adapters are merged into their base weights (``W + alpha/rank·B@A``, in fp32).
+    """
     dtype = next(p for c in model_chunks for p in c.parameters()).dtype
     full = gather_full_state(model_chunks)
+    if cfg.lora.rank > 0:
+        from loong.llm.lora import merge_lora
+
+        full = merge_lora(full, cfg.lora)
     if not dist.is_initialized() or dist.get_rank() == 0:
         write_hf(full, dataclasses.replace(cfg), out_dir, dtype)
         if tokenizer is not None:

@@ -1,6 +1,9 @@
-"""loong-llm's plugin entry point: its task and its packaged config groups (imports nothing heavy)."""
+"""loong-llm's plugin entry point: its tasks and its packaged config groups (imports nothing heavy)."""
 
 from loong.core.registry import CONFIG_DIRS, TASKS
 
 TASKS.add_lazy("llm.pretrain", "loong.llm.pretrain:PretrainTask")
+TASKS.add_lazy("pretrain", "loong.llm.pretrain:PretrainTask")
+TASKS.add_lazy("llm.sft", "loong.llm.sft.task:SFTTask")
+TASKS.add_lazy("sft", "loong.llm.sft.task:SFTTask")
 CONFIG_DIRS.add("llm", "pkg://loong.llm.configs")

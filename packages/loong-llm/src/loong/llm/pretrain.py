@@ -12,6 +12,7 @@ import torch
 from loong.core.errors import LoongError
 from loong.core.registry import TASKS
 from loong.core.task import Task
+from loong.llm.data.indexed import build_pretrain_datasets, indexed_blend, uses_indexed_data
 from loong.llm.data.text import GlobalBatchSampler, make_microbatch, split_stream, tokenize_corpus
 from loong.llm.data.tokenizer import load_tokenizer, packaged_corpus_path
 from loong.llm.models.build import build_gpt_model, transformer_config
@@ -37,8 +38,13 @@ class PretrainTask(Task):
             raise LoongError(f"parallel.ep={p.ep}: dense models have no experts (expert parallelism is for MoE)")
         if m.vocab_size % p.tp:
             raise LoongError(f"parallel.tp={p.tp} does not divide model.vocab_size={m.vocab_size}")
-        if cfg.data.path is not None and not Path(cfg.data.path).exists():
+        if uses_indexed_data(cfg.data):  # preprocessed shards: the blend and its files
+            indexed_blend(cfg.data)
+        elif cfg.data.path is not None and not Path(cfg.data.path).exists():
             raise LoongError(f"data.path: {cfg.data.path} does not exist")
+        from loong.llm.lora import check_lora_config
+
+        check_lora_config(m.lora, sequence_parallel=p.sequence_parallel and p.tp > 1)
 
     # --- model -----------------------------------------------------------------------------
     def model_config(self, dtype: torch.dtype) -> Any:
@@ -58,8 +64,14 @@ class PretrainTask(Task):
 
     def build_model(self, config: Any, pre_process: bool, post_process: bool,
                     vp_stage: int | None) -> torch.nn.Module:
-        return build_gpt_model(self.cfg.model, config, self.accelerator.capabilities(), pre_process,
-                               post_process, self.layout.pg_collection, vp_stage)
+        gpt = build_gpt_model(self.cfg.model, config, self.accelerator.capabilities(), pre_process,
+                              post_process, self.layout.pg_collection, vp_stage)
+        if self.cfg.model.lora.rank > 0:
+            # Here, not in init_weights: adapters must exist on resume too, and before DDP wraps the model.
+            from loong.llm.lora import apply_lora
+
+            apply_lora([gpt], self.cfg.model.lora, seed=self.cfg.train.seed)
+        return gpt
 
     def init_weights(self, model_chunks: list[torch.nn.Module]) -> None:
         if self.cfg.model.init_from_hf is not None:
@@ -76,9 +88,12 @@ class PretrainTask(Task):
                 f"the tokenizer has {self.tokenizer.vocab_size} tokens but model.vocab_size is "
                 f"{self.cfg.model.vocab_size}"
             )
-        path = Path(d.path) if d.path is not None else packaged_corpus_path()
-        tokens = tokenize_corpus(path, self.tokenizer, d.format, d.text_field)
-        self.train_data, self.valid_data = split_stream(tokens, t.seq_length, d.valid_fraction, str(path))
+        if uses_indexed_data(d):  # preprocessed shards through megatron-core's GPTDataset (pre-shuffled)
+            self.train_data, self.valid_data = build_pretrain_datasets(self.cfg, self.tokenizer)
+        else:  # a text/JSONL file tokenised on the fly
+            path = Path(d.path) if d.path is not None else packaged_corpus_path()
+            tokens = tokenize_corpus(path, self.tokenizer, d.format, d.text_field)
+            self.train_data, self.valid_data = split_stream(tokens, t.seq_length, d.valid_fraction, str(path))
         self.sampler = GlobalBatchSampler(len(self.train_data), t.seed)
         self.device = self.accelerator.device(self.layout.local_rank)
 
@@ -93,7 +108,11 @@ class PretrainTask(Task):
 
     def train_microbatches(self, step: int, num_microbatches: int) -> Iterator[dict]:
         start = step * self.cfg.train.global_batch_size + self._rank_offset(num_microbatches)
-        indices = (self.sampler.index(g) for g in range(start, start + 10**12))
+        if getattr(self.train_data, "shuffled", False):  # megatron's order: sample g is index g
+            n = len(self.train_data)
+            indices = (g % n for g in range(start, start + 10**12))
+        else:
+            indices = (self.sampler.index(g) for g in range(start, start + 10**12))
         return self._batches(indices, self.train_data, num_microbatches)
 
     def eval_microbatches(self, index: int, num_microbatches: int) -> Iterator[dict]:

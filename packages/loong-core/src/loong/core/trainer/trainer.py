@@ -34,6 +34,7 @@ class TrainResult:
     loss_png: Path | None = None
     hf_dir: Path | None = None
     summary: dict[str, Any] = field(default_factory=dict)
+    is_logging_rank: bool = True
 
 
 class _StopFlag:
@@ -173,4 +174,4 @@ class Trainer:
         summary = {"steps": step - start_step, "wall_s": round(wall, 2),
                    "tokens_per_s": round((step - start_step) * tokens_per_step / wall, 1) if wall else None}
         return TrainResult(self.run_dir, step, first_loss, last_loss, last_ckpt, interrupted, png, hf_dir,
-                           summary)
+                           summary, is_logging_rank=logging_rank)

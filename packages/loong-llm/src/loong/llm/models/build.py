@@ -24,6 +24,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from loong.core.config.schema import ParallelConfig
 from loong.llm.models.attention import SDPAttention
 from loong.llm.models.config import DenseModelConfig
+from loong.llm.models.gpt import LoongGPTModel
 
 
 def transformer_config(
@@ -98,7 +99,7 @@ def build_gpt_model(
     """One pipeline chunk of the model."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="GPTModel IS DEPRECATED")
-        gpt = GPTModel(
+        gpt = LoongGPTModel(  # GPTModel whose RoPE follows position_ids (packed SFT)
             config=config,
             transformer_layer_spec=layer_spec(model, capabilities),
             vocab_size=model.vocab_size,

@@ -1,0 +1,84 @@
+"""megatron-core's GPTModel with rotary embeddings taken from per-token position ids.
+
+megatron-core 0.19.2 computes RoPE frequencies from the sequence length alone
+(``RotaryEmbedding(seq_len)`` → ``[s, 1, 1, d]``, positions ``0..s-1`` for every sample); its
+``position_ids`` argument only feeds learned absolute embeddings. Packed SFT needs positions that
+restart at 0 for each document, so this subclass overrides ``_preprocess`` and, when position ids
+are given during training, replaces the shared table by per-sample frequencies ``[s, b, 1, d]``.
+
+``apply_rotary_pos_emb`` (unfused, bshd) computes ``t * cos(freqs) + rotate_half(t) * sin(freqs)``
+on ``t`` of shape ``[s, b, heads, d]``, so ``[s, b, 1, d]`` broadcasts over the heads exactly as
+``[s, 1, 1, d]`` broadcasts over batch and heads. With ``position_ids = arange(s)`` each
+frequency is the same single fp32 product as megatron's ``torch.outer``, so the logits are
+bit-identical to the stock model's.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from megatron.core.models.common.embeddings.rope_utils import get_pos_emb_on_this_cp_rank
+from megatron.core.models.gpt import GPTModel
+
+
+def rotary_freqs_from_positions(rope: Any, position_ids: torch.Tensor) -> torch.Tensor:
+    """Rotary frequencies ``[s, b, 1, d]`` for ``position_ids`` ``[b, s]``.
+
+    Uses ``rope.inv_freq`` as it stands (with llama3 scaling applied when configured), the
+    interpolation factor and the (non-)interleaved layout of megatron's ``RotaryEmbedding.get_emb``.
+    """
+    inv_freq = rope.inv_freq.to(position_ids.device)
+    pos = position_ids.t().to(inv_freq.dtype)  # [s, b]
+    if rope.seq_len_interpolation_factor is not None:
+        pos = pos * (1 / rope.seq_len_interpolation_factor)
+    freqs = pos.unsqueeze(-1) * inv_freq  # [s, b, d/2], the same products as torch.outer
+    if not rope.rotary_interleaved:
+        emb = torch.cat((freqs, freqs), dim=-1)
+    else:
+        emb = torch.stack((freqs, freqs), dim=-1).flatten(-2)
+    return emb.unsqueeze(2)  # [s, b, 1, d]
+
+
+class LoongGPTModel(GPTModel):
+    """GPTModel whose RoPE follows ``position_ids`` (e.g. restarting per packed document).
+
+    Only the training / evaluation forward changes: with an inference context, packed THD
+    sequences (``packed_seq_params``) or no position ids, megatron's own rotary table is used.
+    """
+
+    def _preprocess(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        decoder_input: torch.Tensor | None = None,
+        inference_context: Any = None,
+        packed_seq_params: Any = None,
+        padding_mask: torch.Tensor | None = None,
+    ) -> tuple:
+        out = super()._preprocess(
+            input_ids=input_ids,
+            position_ids=position_ids,
+            decoder_input=decoder_input,
+            inference_context=inference_context,
+            packed_seq_params=packed_seq_params,
+            padding_mask=padding_mask,
+        )
+        rotary = out[1]
+        if (
+            rotary is None
+            or position_ids is None
+            or inference_context is not None
+            or packed_seq_params is not None
+            or self.position_embedding_type != "rope"
+        ):
+            return out
+        emb = rotary_freqs_from_positions(self.rotary_pos_emb, position_ids)
+        cp_group = self.rotary_pos_emb.cp_group
+        if cp_group is not None and cp_group.size() > 1:
+            emb = get_pos_emb_on_this_cp_rank(emb, 0, cp_group)  # as RotaryEmbedding.forward
+        if emb.shape[0] != rotary.shape[0]:
+            raise ValueError(
+                f"position_ids give {emb.shape[0]} rotary positions but the model expects {rotary.shape[0]}"
+            )
+        return (out[0], emb, *out[2:])

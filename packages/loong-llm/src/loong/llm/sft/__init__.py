@@ -1,0 +1,1 @@
+"""Supervised fine-tuning on chat data: formats, chat templates, packing and the ``sft`` task."""
