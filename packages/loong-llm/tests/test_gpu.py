@@ -107,3 +107,37 @@ def test_hf_llama_logits_match_on_gpu_in_bf16(cuda_layout, tiny_llama_hf: Path) 
         b = ref(tokens).logits.float()
     assert ((a - b).abs().max() / b.abs().max()).item() <= 3e-2
     assert (a.argmax(-1) == b.argmax(-1)).float().mean().item() >= 0.95
+
+
+def _train_losses(run: Path) -> list[float]:
+    recs = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    return [r["train_loss"] for r in recs if "train_loss" in r]
+
+
+def test_sft_with_packing_trains_in_bf16_on_gpu(tmp_path: Path) -> None:
+    from loong.llm.cli import main
+
+    code = main(["train", "task=sft", "train.seq_length=256", "train.steps=30", "train.global_batch_size=8",
+                 "train.micro_batch_size=4", "train.progress=false", "train.eval_iters=0",
+                 f"output_dir={tmp_path}", "run_name=sft"])
+    assert code == 0
+    losses = _train_losses(tmp_path / "sft")
+    assert losses[-1] < 0.8 * losses[0]
+
+
+def test_lora_trains_in_bf16_on_gpu_and_exports_merged(tiny_llama_hf: Path, tmp_path: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    from loong.llm.cli import main
+
+    code = main(["train", f"model.init_from_hf={tiny_llama_hf}", "model.lora.rank=8", "train.steps=20",
+                 "train.seq_length=64", "train.global_batch_size=8", "train.micro_batch_size=4",
+                 "train.lr=1e-2", "train.progress=false", "train.eval_iters=0", "train.save_hf=true",
+                 f"output_dir={tmp_path}", "run_name=lora"])
+    assert code == 0
+    losses = _train_losses(tmp_path / "lora")
+    assert losses[-1] < losses[0]
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "lora" / "hf")
+    base = AutoModelForCausalLM.from_pretrained(tiny_llama_hf)
+    w = "model.layers.0.self_attn.q_proj.weight"
+    assert not torch.equal(merged.state_dict()[w].float(), base.state_dict()[w].float())  # adapters merged
