@@ -58,14 +58,13 @@ def one_step_grads(hf_dir: str, layout_overrides: list[str], acc) -> dict:  # no
     return {"loss": float(loss_t), "grads": grads}
 
 
-def train(hf_dir: str, layout_overrides: list[str], run_dir: Path, acc, resume: Path | None = None,
-          save_at: int = 0) -> list[float]:
-    cfg, layout, task = build(hf_dir, layout_overrides, [f"train.save_interval={save_at}"], acc)
+def fit_and_losses(cfg, layout, task, acc, run_dir: Path, resume: Path | None, steps: int):  # noqa: ANN001, ANN201
+    """Train (or resume) to the end; return every step's loss on all ranks and the engine."""
     engine = MegatronEngine(task, cfg, acc, layout, fresh=resume is None)
     trainer = Trainer(cfg, {"model": {}}, task, engine, layout, acc, run_dir)
     start = trainer.restore(resume) if resume is not None else 0
     trainer.fit(start)
-    losses = [float("-inf")] * STEPS
+    losses = [float("-inf")] * steps
     if layout.is_logging_rank:
         for line in (run_dir / "metrics.jsonl").read_text().splitlines():
             rec = json.loads(line)
@@ -73,7 +72,13 @@ def train(hf_dir: str, layout_overrides: list[str], run_dir: Path, acc, resume: 
                 losses[rec["step"] - 1] = rec["train_loss"]
     t = torch.tensor(losses)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return t.tolist()
+    return t.tolist(), engine
+
+
+def train(hf_dir: str, layout_overrides: list[str], run_dir: Path, acc, resume: Path | None = None,  # noqa: ANN001
+          save_at: int = 0) -> list[float]:
+    cfg, layout, task = build(hf_dir, layout_overrides, [f"train.save_interval={save_at}"], acc)
+    return fit_and_losses(cfg, layout, task, acc, run_dir, resume, STEPS)[0]
 
 
 def main() -> None:

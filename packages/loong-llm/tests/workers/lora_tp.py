@@ -21,12 +21,14 @@ from loong.core.config import compose_config
 from loong.core.engines.megatron import MegatronEngine
 from loong.core.parallel import init_distributed
 from loong.core.state import gather_full_state, unwrap
-from loong.core.trainer import Trainer
 from loong.llm.hf_io import read_hf_folder
 from loong.llm.lora import adapter_shapes, is_adapter_key, load_adapter_state
 from loong.llm.models.hf_mapping import hf_to_native
 from loong.llm.pretrain import PretrainTask
 from loong.llm.schema import LLMRunConfig
+
+sys.path.insert(0, str(Path(__file__).parent))
+from layouts import fit_and_losses  # noqa: E402  (a sibling worker script)
 
 STEPS = 4
 LORA = ["model.lora.rank=4", "model.lora.alpha=8"]
@@ -79,24 +81,13 @@ def one_step(hf_dir: str, layout_overrides: list[str], acc) -> dict:  # noqa: AN
 def train(hf_dir: str, layout_overrides: list[str], run_dir: Path, acc, resume: Path | None = None,  # noqa: ANN001
           save_at: int = 0) -> dict:
     cfg, layout, task = build(hf_dir, layout_overrides, [f"train.save_interval={save_at}"], acc)
-    engine = MegatronEngine(task, cfg, acc, layout, fresh=resume is None)
-    trainer = Trainer(cfg, {"model": {}}, task, engine, layout, acc, run_dir)
-    start = trainer.restore(resume) if resume is not None else 0
-    trainer.fit(start)
-    losses = [float("-inf")] * STEPS
-    if layout.is_logging_rank:
-        for line in (run_dir / "metrics.jsonl").read_text().splitlines():
-            rec = json.loads(line)
-            if "train_loss" in rec:
-                losses[rec["step"] - 1] = rec["train_loss"]
-    t = torch.tensor(losses)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    losses, engine = fit_and_losses(cfg, layout, task, acc, run_dir, resume, STEPS)
     # base weights after training: bit-identical to the HF weights they were loaded from
     full = gather_full_state(engine.model_chunks)
     base = hf_to_native(read_hf_folder(hf_dir)[1], cfg.model)
     base_equal = all(torch.equal(full[k], v.float()) for k, v in base.items())
     adapters_moved = any(full[k].abs().max() > 0 for k in full if k.endswith(".lora_B.weight"))
-    return {"losses": t.tolist(), "base_equal": base_equal, "adapters_moved": bool(adapters_moved),
+    return {"losses": losses, "base_equal": base_equal, "adapters_moved": bool(adapters_moved),
             "keys": sorted(full)}
 
 
