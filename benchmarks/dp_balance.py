@@ -28,13 +28,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import sys
 import time
-from importlib import metadata
 from pathlib import Path
 
 import numpy as np
+from _env import host, versions  # benchmarks/_env.py (run as scripts from the repo root)
 
 from loong.core.balance import CostModel, plan
 
@@ -104,33 +103,6 @@ def run(ranks: int, samples: int, batches: int, seed: int, budget: float) -> dic
     }
 
 
-def _hardware() -> dict:
-    model = platform.processor()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return {
-        "cpu": model,
-        "cpu_count": os.cpu_count(),
-        "platform": platform.platform(),
-        "load_average_before": os.getloadavg(),
-    }
-
-
-def _versions() -> dict:
-    out = {"python": platform.python_version()}
-    for name in ["loong-core", "numpy"]:
-        try:
-            out[name] = metadata.version(name)
-        except metadata.PackageNotFoundError:
-            out[name] = None
-    return out
-
-
 def main() -> None:
     """Parse arguments, run every rank count, print the table and write the JSON."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -142,7 +114,7 @@ def main() -> None:
     ap.add_argument("--no-write", action="store_true", help="print only, write no JSON")
     args = ap.parse_args()
 
-    hardware = _hardware()
+    hardware = host()
     rows = [run(r, args.samples, args.batches, args.seed, args.budget_ms / 1e3) for r in args.ranks]
     hardware["load_average_after"] = os.getloadavg()
 
@@ -172,7 +144,7 @@ def main() -> None:
         },
         "cost_model": {"a": COST.a, "b": COST.b, "c": COST.c},
         "planner": {"time_budget_s": args.budget_ms / 1e3, "micro_batches_per_rank": 1, "seed": 0},
-        "versions": _versions(),
+        "versions": versions(["loong-core", "numpy"]),
         "hardware": hardware,
         "figures": rows,
     }

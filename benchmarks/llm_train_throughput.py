@@ -15,15 +15,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
-from importlib import metadata
 from pathlib import Path
+
+from _env import host, versions  # benchmarks/_env.py (run as scripts from the repo root)
 
 RESULTS = Path(__file__).parent / "results"
 
@@ -110,26 +109,6 @@ def _hf(args: argparse.Namespace) -> dict:
     return {"command": " ".join(cmd[1:]), **json.loads(proc.stdout.strip().splitlines()[-1])}
 
 
-def _versions() -> dict:
-    out = {"python": platform.python_version()}
-    for pkg in ("torch", "megatron-core", "transformers", "loong-core", "loong-llm", "triton"):
-        try:
-            out[pkg] = metadata.version(pkg)
-        except metadata.PackageNotFoundError:
-            out[pkg] = None
-    return out
-
-
-def _hardware() -> dict:
-    import torch
-
-    hw = {"cpu_count": os.cpu_count()}
-    if torch.cuda.is_available():
-        hw.update(gpu=torch.cuda.get_device_name(), gpu_count=torch.cuda.device_count(),
-                  gpu_memory_gib=round(torch.cuda.get_device_properties(0).total_memory / 2**30, 1))
-    return hw
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--preset", default="llama3_2_1b")
@@ -159,10 +138,10 @@ def main() -> None:
             print(f"{name:<40}{r['tokens_per_s']:>12,.0f}{mfu:>8}{mem:>10}")
     if "error" not in loong and "error" not in hf:
         print(f"speed-up over HF: {loong['tokens_per_s'] / hf['tokens_per_s']:.2f}x")
-    hw = _hardware()
+    hw = host()
     result = {"benchmark": "llm_train_throughput", "date": time.strftime("%Y-%m-%d"),
               "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]), "args": vars(args),
-              "versions": _versions(), "hardware": hw, "loong": loong, "hf_transformers": hf}
+              "versions": versions(["torch", "megatron-core", "transformers", "loong-core", "loong-llm", "triton"]), "hardware": hw, "loong": loong, "hf_transformers": hf}
     RESULTS.mkdir(exist_ok=True)
     tag = (hw.get("gpu") or "cpu").split()[-1].lower()  # e.g. h200, or cpu
     out = Path(args.out) if args.out else RESULTS / f"llm_train_{tag}_{args.preset}_{time.strftime('%Y%m%d')}.json"

@@ -21,13 +21,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import subprocess
 import sys
 import tempfile
 import time
-from importlib import metadata
 from pathlib import Path
+
+from _env import host, versions  # benchmarks/_env.py (run as scripts from the repo root)
 
 RESULTS = Path(__file__).parent / "results"
 
@@ -94,30 +94,6 @@ def _run_datasets(corpus: Path, tok_dir: Path, cache: Path, workers: int) -> dic
             "command": f"datasets.load_dataset('json') + Dataset.map(batched=True, num_proc={workers})"}
 
 
-def _hardware() -> dict:
-    model = platform.processor()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return {"cpu": model, "cpu_count": os.cpu_count(), "platform": platform.platform(),
-            "load_average_before": os.getloadavg()}
-
-
-def _versions() -> dict:
-    names = ["loong-llm", "megatron-core", "torch", "transformers", "tokenizers", "datasets", "pyarrow", "numpy"]
-    out = {"python": platform.python_version()}
-    for name in names:
-        try:
-            out[name] = metadata.version(name)
-        except metadata.PackageNotFoundError:
-            out[name] = None
-    return out
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--mib", type=float, default=20.0, help="corpus size in MiB (default 20)")
@@ -132,7 +108,7 @@ def main() -> None:
         corpus = _corpus(tmp, args.mib)
         tok_dir = tmp / "tokenizer"
         build_packaged_tokenizer().save(tok_dir)
-        hardware = _hardware()
+        hardware = host()
         runs: dict[str, list[dict]] = {"loong": [], "datasets": []}
         for i in range(args.repeats):
             runs["loong"].append(_run_loong(corpus, tok_dir, tmp / f"shard{i}", args.workers))
@@ -164,7 +140,7 @@ def main() -> None:
         "corpus": {"source": "loong-llm packaged corpus repeated", "bytes": size, "format": "jsonl",
                    "documents": best["loong"]["documents"], "tokens": tokens},
         "tokenizer": "packaged byte-level BPE (512 tokens)", "workers": args.workers, "repeats": args.repeats,
-        "versions": _versions(), "hardware": {**hardware, "load_average_after": os.getloadavg()},
+        "versions": versions(["loong-llm", "megatron-core", "torch", "transformers", "tokenizers", "datasets", "pyarrow", "numpy"]), "hardware": {**hardware, "load_average_after": os.getloadavg()},
         "figures": figures, "all_runs": runs,
         "notes": "wall: the whole process (interpreter start included; for datasets without the token count "
                  "that checks its result); call: library imports (transformers, megatron-core / datasets), "
