@@ -27,6 +27,7 @@ from typing import Any, Literal
 import numpy as np
 
 from loong.core.errors import LoongError
+from loong.llm.data.text import json_record_text
 from loong.llm.data.tokenizer import Tokenizer, load_tokenizer
 
 CHUNK = 256  # records per task sent to a worker
@@ -96,16 +97,7 @@ def _document(kind: str, raw: Any, field: str) -> str | None:
         raise ValueError(f"not valid UTF-8 ({exc.reason})") from None
     if not line or kind == "text":
         return line or None
-    try:
-        record = json.loads(line)
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"not valid JSON ({exc.msg})") from None
-    if not isinstance(record, dict) or field not in record:
-        keys = list(record) if isinstance(record, dict) else type(record).__name__
-        raise ValueError(f"no '{field}' field (found {keys}); set --text-field")
-    if not isinstance(record[field], str):
-        raise ValueError(f"field '{field}' is not a string ({type(record[field]).__name__})")
-    return record[field]
+    return json_record_text(line, field, "--text-field")
 
 
 def _process_chunk(chunk: Chunk) -> dict[str, Any]:

@@ -19,6 +19,21 @@ from loong.core.errors import LoongError
 from loong.llm.data.tokenizer import Tokenizer
 
 
+def json_record_text(line: str, text_field: str, hint: str) -> str:
+    """The text field of one JSONL line; ValueError names what is wrong (``hint``: how to set the field)."""
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"not valid JSON ({exc.msg})") from None
+    if not isinstance(record, dict) or text_field not in record:
+        keys = list(record) if isinstance(record, dict) else type(record).__name__
+        raise ValueError(f"no '{text_field}' field (found {keys}); set {hint}")
+    text = record[text_field]
+    if not isinstance(text, str):
+        raise ValueError(f"field '{text_field}' is not a string ({type(text).__name__})")
+    return text
+
+
 def read_documents(path: Path, fmt: str = "auto", text_field: str = "text") -> Iterator[str]:
     """Yield documents: one per JSONL line (``text_field``), or one per non-empty line of text."""
     if not path.exists():
@@ -36,15 +51,9 @@ def read_documents(path: Path, fmt: str = "auto", text_field: str = "text") -> I
                 yield line
                 continue
             try:
-                record = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise LoongError(f"{path}:{lineno}: not valid JSON ({exc.msg})") from None
-            if not isinstance(record, dict) or text_field not in record:
-                keys = list(record) if isinstance(record, dict) else type(record).__name__
-                raise LoongError(f"{path}:{lineno}: no '{text_field}' field (found {keys}); set data.text_field")
-            text = record[text_field]
-            if not isinstance(text, str):
-                raise LoongError(f"{path}:{lineno}: field '{text_field}' is not a string")
+                text = json_record_text(line, text_field, "data.text_field")
+            except ValueError as exc:
+                raise LoongError(f"{path}:{lineno}: {exc}") from None
             if text:
                 yield text
 
