@@ -29,10 +29,12 @@ from loong.llm.schema import LLMRunConfig
 STEPS = 20
 
 
-def build(hf_dir: str, layout_overrides: list[str], extra: list[str], acc):  # noqa: ANN001, ANN201
-    overrides = [f"model.init_from_hf={hf_dir}", f"train.steps={STEPS}", "train.seq_length=32",
+def build(hf_dir: str, layout_overrides: list[str], extra: list[str], acc, steps: int = STEPS,  # noqa: ANN001, ANN201
+          lr: str = "1e-3"):
+    """Config, layout and data-ready task for a small HF-initialised run at a layout."""
+    overrides = [f"model.init_from_hf={hf_dir}", f"train.steps={steps}", "train.seq_length=32",
                  "train.global_batch_size=8", "train.micro_batch_size=2", "train.eval_iters=0",
-                 "train.progress=false", "train.lr=1e-3", *layout_overrides, *extra]
+                 "train.progress=false", f"train.lr={lr}", *layout_overrides, *extra]
     cfg, _ = compose_config("loong.llm.configs", "pretrain", overrides, LLMRunConfig)
     PretrainTask.check_config(cfg)
     layout = init_distributed(acc, cfg.parallel)

@@ -17,17 +17,14 @@ import torch
 import torch.distributed as dist
 
 from loong.core.accelerators import select_accelerator
-from loong.core.config import compose_config
 from loong.core.engines.megatron import MegatronEngine
-from loong.core.parallel import init_distributed
 from loong.core.state import gather_full_state, unwrap
 from loong.llm.hf_io import read_hf_folder
 from loong.llm.lora import adapter_shapes, is_adapter_key, load_adapter_state
 from loong.llm.models.hf_mapping import hf_to_native
-from loong.llm.pretrain import PretrainTask
-from loong.llm.schema import LLMRunConfig
 
 sys.path.insert(0, str(Path(__file__).parent))
+from layouts import build as layouts_build  # noqa: E402
 from layouts import fit_and_losses  # noqa: E402  (a sibling worker script)
 
 STEPS = 4
@@ -35,20 +32,8 @@ LORA = ["model.lora.rank=4", "model.lora.alpha=8"]
 
 
 def build(hf_dir: str, layout_overrides: list[str], extra: list[str], acc):  # noqa: ANN001, ANN201
-    overrides = [f"model.init_from_hf={hf_dir}", f"train.steps={STEPS}", "train.seq_length=32",
-                 "train.global_batch_size=8", "train.micro_batch_size=2", "train.eval_iters=0",
-                 "train.progress=false", "train.lr=1e-2", "train.warmup_steps=0",
-                 "train.distributed_optimizer=false", *LORA, *layout_overrides, *extra]
-    cfg, _ = compose_config("loong.llm.configs", "pretrain", overrides, LLMRunConfig)
-    PretrainTask.check_config(cfg)
-    layout = init_distributed(acc, cfg.parallel)
-    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
-
-    torch.manual_seed(0)
-    model_parallel_cuda_manual_seed(0)
-    task = PretrainTask(cfg, acc, layout)
-    task.setup_data()
-    return cfg, layout, task
+    extra = ["train.warmup_steps=0", "train.distributed_optimizer=false", *LORA, *extra]
+    return layouts_build(hf_dir, layout_overrides, extra, acc, steps=STEPS, lr="1e-2")
 
 
 def random_adapters(shapes: dict[str, tuple[int, ...]]) -> dict[str, torch.Tensor]:
