@@ -129,3 +129,59 @@ def test_fit_non_negative_when_true_coefficient_is_zero() -> None:
 def test_fit_shape_mismatch() -> None:
     with pytest.raises(ValueError, match="measured times"):
         fit_cost_model([[np.array([1, 2])]], [[1.0, 2.0]])
+
+
+# --- the per-step balancer of a run -------------------------------------------------------------
+def test_balancer_plans_every_sample_once_with_equal_micro_batch_counts() -> None:
+    from loong.core.balance import DataBalancer
+
+    rng = np.random.default_rng(3)
+    lengths = rng.integers(16, 512, 64).tolist()
+    default = [i * 4 // 64 for i in range(64)]  # contiguous quarters, as without balancing
+    bal = DataBalancer("flops", CostModel(a=1.0, b=100.0), dp_size=4, seed=7)
+    p = bal.plan_step(5, lengths, default, micro_batches=2, capacity=1024)
+    assert sorted(_indices(p.micro_batches)) == list(range(64))
+    assert len({len(rank) for rank in p.micro_batches}) == 1 and p.num_micro_batches >= 2
+    assert all(sum(lengths[i] for i in mb) <= 1024 for rank in p.micro_batches for mb in rank)
+    assert p.after < p.before
+    # Deterministic in (seed, step), so every rank computes the same plan without communicating.
+    again = DataBalancer("flops", CostModel(a=1.0, b=100.0), dp_size=4, seed=7).plan_step(
+        5, lengths, default, micro_batches=2, capacity=1024)
+    assert again.micro_batches == p.micro_batches
+
+
+def test_balancer_fits_online_and_round_trips_its_state() -> None:
+    from loong.core.balance import DataBalancer
+
+    true = CostModel(a=2e-9, b=3e-5, c=0.1)
+    bal = DataBalancer("fit", CostModel(a=1.0, b=1.0), dp_size=1, seed=0, fit_steps=30)
+    rng = np.random.default_rng(4)
+    fitted: dict = {}
+    for step in range(31):  # the first observation is skipped (warm-up)
+        assert bal.measures_time
+        lengths = rng.integers(128, 16384, rng.integers(1, 12)).tolist()
+        p = bal.plan_step(step, lengths, [0] * len(lengths), micro_batches=1, capacity=None)
+        fitted = bal.observe(p, true.rank_cost(lengths) * (1 + 0.01 * rng.standard_normal()), device=None)
+    assert not bal.measures_time and set(fitted) == {"balance_cost_a", "balance_cost_b", "balance_cost_c"}
+    for got, want in [(bal.model.a, true.a), (bal.model.b, true.b), (bal.model.c, true.c)]:
+        assert abs(got - want) / want < 0.1
+    fresh = DataBalancer("fit", CostModel(a=1.0, b=1.0), dp_size=1, seed=0, fit_steps=30)
+    fresh.load_state_dict(bal.state_dict())
+    assert fresh.model == bal.model and not fresh.measures_time
+    assert DataBalancer([1, 2, 3], CostModel(a=9.0, b=9.0), 1, 0).model == CostModel(1.0, 2.0, 3.0)
+
+
+def test_encoder_terms_are_costed_and_fitted() -> None:
+    true = CostModel(a=2e-9, b=3e-5, c=0.1, enc_a=5e-9, enc_b=1e-5)
+    assert true.cost([100], [10])[0] == pytest.approx(2e-5 + 3e-3 + 0.1 + 5e-7 + 1e-4)
+    rng = np.random.default_rng(5)
+    per_step, encoders, times = [], [], []
+    for _ in range(80):
+        lens = [rng.integers(128, 8192, rng.integers(1, 6)) for _ in range(4)]
+        enc = [rng.integers(0, 4000, x.size) for x in lens]  # each term matters
+        per_step.append(lens)
+        encoders.append(enc)
+        times.append([true.rank_cost(x, e) * (1 + 0.01 * rng.standard_normal()) for x, e in zip(lens, enc, strict=True)])
+    fit = fit_cost_model(per_step, times, encoders)
+    for got, want in zip(fit.coefficients(), true.coefficients(), strict=True):
+        assert abs(got - want) / want < 0.1

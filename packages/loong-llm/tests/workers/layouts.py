@@ -30,19 +30,19 @@ STEPS = 20
 
 
 def build(hf_dir: str, layout_overrides: list[str], extra: list[str], acc, steps: int = STEPS,  # noqa: ANN001, ANN201
-          lr: str = "1e-3"):
+          lr: str = "1e-3", task_cls: type = PretrainTask):
     """Config, layout and data-ready task for a small HF-initialised run at a layout."""
     overrides = [f"model.init_from_hf={hf_dir}", f"train.steps={steps}", "train.seq_length=32",
                  "train.global_batch_size=8", "train.micro_batch_size=2", "train.eval_iters=0",
                  "train.progress=false", f"train.lr={lr}", *layout_overrides, *extra]
     cfg, _ = compose_config("loong.llm.configs", "pretrain", overrides, LLMRunConfig)
-    PretrainTask.check_config(cfg)
+    task_cls.check_config(cfg)
     layout = init_distributed(acc, cfg.parallel)
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
     torch.manual_seed(0)
     model_parallel_cuda_manual_seed(0)
-    task = PretrainTask(cfg, acc, layout)
+    task = task_cls(cfg, acc, layout)
     task.setup_data()
     return cfg, layout, task
 

@@ -53,6 +53,23 @@ class Task(ABC):
     def train_microbatches(self, step: int, num_microbatches: int) -> Iterator[dict]:
         """This DP rank's micro-batches for global step ``step`` (deterministic in ``step``)."""
 
+    def num_train_microbatches(self, step: int, default: int) -> int:
+        """Micro-batches per DP rank for step ``step`` (the same on every rank).
+
+        ``default`` is ``global_batch_size / (micro_batch_size * dp)``; a task that plans its own
+        micro-batches (data-parallel balancing) may need more on some steps.
+        """
+        return default
+
+    def measures_compute_time(self) -> bool:
+        """Whether the engine should measure each step's compute time (``StepMetrics.extra``)."""
+        return False
+
+    def after_train_step(self, step: int, extra: dict[str, float]) -> dict[str, float]:
+        """Called on every rank after step ``step`` with the engine's extra figures (may be
+        collective); returns metrics to log for that step."""
+        return {}
+
     @abstractmethod
     def eval_microbatches(self, index: int, num_microbatches: int) -> Iterator[dict]:
         """This DP rank's micro-batches for evaluation batch ``index``."""
@@ -69,6 +86,13 @@ class Task(ABC):
     def flops_per_token(self) -> float | None:
         """Training FLOPs per token (forward + backward) for MFU; None when unknown."""
         return None
+
+    def state_dict(self) -> dict[str, Any]:
+        """Task state a resumed run needs (JSON-serialisable; saved in every checkpoint)."""
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict` from a checkpoint (``{}`` for checkpoints without one)."""
 
     def save_artifacts(self, checkpoint_dir: Path) -> None:
         """Write task files beside a checkpoint (e.g. the tokenizer). Called on the logging rank."""

@@ -24,9 +24,13 @@ class PretrainTask(Task):
     """Causal language modelling of a dense decoder."""
 
     engine = "megatron"
+    balances_data = False  # fixed-length windows: every sample costs the same
 
     @classmethod
     def check_config(cls, cfg: Any) -> None:
+        if cfg.data.balance.enabled and not cls.balances_data:
+            raise LoongError("data.balance.enabled: every pretraining sample has train.seq_length tokens, "
+                             "so there is nothing to balance; it applies to variable-length data (task=sft)")
         if cfg.model.init_from_hf is not None:
             from loong.llm import hf
 

@@ -2,7 +2,9 @@
 
 The cost of one sample of ``len`` tokens is modelled as ``a*len**2 + b*len + c``: the quadratic term
 is attention, the linear term the token-wise layers (MLP, projections, norms), the constant the
-per-sample overhead (kernel launches, padding, data movement). A rank's step time is the sum of its
+per-sample overhead (kernel launches, padding, data movement). A sample that also runs an encoder
+of its own (a vision tower over ``enc`` patch tokens, e.g. ``T·H·W`` for a video) adds
+``enc_a*enc**2 + enc_b*enc`` for that part, with its own coefficients. A rank's step time is the sum of its
 samples' costs, so the coefficients can be fitted from measured per-rank step times with
 :func:`fit_cost_model`.
 """
@@ -21,26 +23,37 @@ __all__ = ["CostModel", "fit_cost_model", "rank_features"]
 
 @dataclass(frozen=True)
 class CostModel:
-    """``cost(len) = a*len**2 + b*len + c`` (all coefficients non-negative for a fitted model)."""
+    """``cost = a*len**2 + b*len + c + enc_a*enc**2 + enc_b*enc`` (non-negative when fitted)."""
 
     a: float
     b: float
     c: float = 0.0
+    enc_a: float = 0.0
+    enc_b: float = 0.0
 
-    def cost(self, lengths: ArrayLike) -> np.ndarray:
-        """Vectorised per-sample cost of ``lengths`` (any shape), as float64."""
+    def cost(self, lengths: ArrayLike, encoder_lengths: ArrayLike | None = None) -> np.ndarray:
+        """Vectorised per-sample cost of ``lengths`` (and encoder tokens, same shape), as float64."""
         x = np.asarray(lengths, dtype=np.float64)
-        return (self.a * x + self.b) * x + self.c
+        out = (self.a * x + self.b) * x + self.c
+        if encoder_lengths is not None:
+            e = np.asarray(encoder_lengths, dtype=np.float64)
+            out = out + (self.enc_a * e + self.enc_b) * e
+        return out
 
-    def rank_cost(self, lengths: ArrayLike) -> float:
+    def rank_cost(self, lengths: ArrayLike, encoder_lengths: ArrayLike | None = None) -> float:
         """Total cost of one rank holding samples of ``lengths``."""
-        return float(self.cost(lengths).sum())
+        return float(self.cost(lengths, encoder_lengths).sum())
+
+    def coefficients(self) -> list[float]:
+        """``[a, b, c, enc_a, enc_b]``."""
+        return [self.a, self.b, self.c, self.enc_a, self.enc_b]
 
 
-def rank_features(lengths: ArrayLike) -> np.ndarray:
-    """The regression features of one rank's step: ``(sum len**2, sum len, count)``."""
+def rank_features(lengths: ArrayLike, encoder_lengths: ArrayLike | None = None) -> np.ndarray:
+    """Regression features of one rank's step: ``(sum len**2, sum len, count, sum enc**2, sum enc)``."""
     x = np.asarray(lengths, dtype=np.float64).ravel()
-    return np.array([np.dot(x, x), x.sum(), float(x.size)])
+    e = np.zeros(0) if encoder_lengths is None else np.asarray(encoder_lengths, dtype=np.float64).ravel()
+    return np.array([np.dot(x, x), x.sum(), float(x.size), np.dot(e, e), e.sum()])
 
 
 def _nnls_small(features: np.ndarray, targets: np.ndarray) -> np.ndarray:
@@ -78,15 +91,18 @@ def _nnls_small(features: np.ndarray, targets: np.ndarray) -> np.ndarray:
 def fit_cost_model(
     per_step_rank_lengths: Sequence[Sequence[ArrayLike]],
     measured_times: Sequence[Sequence[float]] | ArrayLike,
+    per_step_rank_encoder_lengths: Sequence[Sequence[ArrayLike]] | None = None,
 ) -> CostModel:
-    """Fit non-negative ``(a, b, c)`` to measured per-rank step times.
+    """Fit non-negative coefficients to measured per-rank step times.
 
     Args:
         per_step_rank_lengths: ``[step][rank]`` -> the sample lengths that rank processed that step.
         measured_times: ``[step][rank]`` -> that rank's measured compute time (same nesting).
+        per_step_rank_encoder_lengths: optional ``[step][rank]`` -> the encoder tokens of those
+            samples; without it the encoder coefficients are 0.
 
-    Each (step, rank) pair is one observation with features ``(sum len**2, sum len, count)``.
-    Ranks may differ in number per step; the two arguments must match in shape.
+    Each (step, rank) pair is one observation with the features of :func:`rank_features`.
+    Ranks may differ in number per step; the arguments must match in shape.
     """
     rows: list[np.ndarray] = []
     targets: list[float] = []
@@ -99,13 +115,14 @@ def fit_cost_model(
         times = np.asarray(times, dtype=np.float64).ravel()
         if len(ranks) != times.size:
             raise ValueError(f"step {step}: {len(ranks)} ranks of lengths but {times.size} measured times")
-        for lengths, t in zip(ranks, times, strict=True):
-            rows.append(rank_features(lengths))
+        encoders = (per_step_rank_encoder_lengths[step] if per_step_rank_encoder_lengths is not None
+                    else [None] * len(ranks))
+        for lengths, enc, t in zip(ranks, encoders, times, strict=True):
+            rows.append(rank_features(lengths, enc))
             targets.append(float(t))
     if not rows:
         raise ValueError("fit_cost_model needs at least one (step, rank) observation")
     y = np.asarray(targets)
     if not np.all(np.isfinite(y)):
         raise ValueError("measured_times contains non-finite values")
-    a, b, c = _nnls_small(np.vstack(rows), y)
-    return CostModel(float(a), float(b), float(c))
+    return CostModel(*(float(v) for v in _nnls_small(np.vstack(rows), y)))

@@ -25,6 +25,32 @@ class ParallelConfig:
 
 
 @dataclass
+class BalanceConfig:
+    """Data-parallel load balancing of variable-length samples (``data.balance``).
+
+    ``cost``: ``flops`` (the task's analytic per-sample FLOPs), ``fit`` (start from ``flops``, then
+    fit ``a*len**2 + b*len + c`` to the per-rank compute times measured over ``fit_steps`` steps),
+    or ``[a, b, c]`` given (``[a, b, c, enc_a, enc_b]`` where samples also run an encoder).
+    """
+
+    enabled: bool = False
+    cost: str | list[float] = "flops"
+    fit_steps: int = 8
+
+    def validate(self, path: str) -> None:
+        if isinstance(self.cost, str):
+            if self.cost not in ("flops", "fit"):
+                raise LoongError(f"{path}.cost: {self.cost!r} is not 'flops', 'fit' or a list [a, b, c]"
+                                 f"{did_you_mean(self.cost, ['flops', 'fit'])}")
+        elif len(self.cost) not in (3, 5) or any(c < 0 for c in self.cost):
+            raise LoongError(f"{path}.cost: expected three non-negative coefficients [a, b, c] "
+                             f"(cost = a*len^2 + b*len + c), or five with the encoder's [.., enc_a, enc_b], "
+                             f"got {self.cost}")
+        if self.fit_steps < 1:
+            raise LoongError(f"{path}.fit_steps: must be >= 1, got {self.fit_steps}")
+
+
+@dataclass
 class DataConfig:
     """Where training text comes from. ``path=None`` uses the corpus shipped in the package."""
 
@@ -33,6 +59,7 @@ class DataConfig:
     text_field: str = "text"
     tokenizer: str | None = None
     valid_fraction: float = 0.05
+    balance: BalanceConfig = field(default_factory=BalanceConfig)
 
 
 @dataclass

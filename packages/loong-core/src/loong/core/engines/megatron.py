@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from functools import partial
+import time
 from pathlib import Path
 
 import torch
@@ -108,21 +108,32 @@ class MegatronEngine(Engine):
         if len(self.model_chunks) == 1:
             c.no_sync_func = c.no_sync_func[0]
         c.grad_scale_func = self.optimizer.scale_loss
-        c.finalize_model_grads_func = partial(finalize_model_grads, pg_collection=layout.pg_collection)
+        c.finalize_model_grads_func = self._finalize_grads
+        self._measure = False  # asked of the task every step
+        self._compute_end = 0.0
         self._forward_backward = get_forward_backward_func()
 
     # --- stepping --------------------------------------------------------------------------
+    def _finalize_grads(self, *args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        """megatron's gradient all-reduce, timestamped first: the time before it is this rank's own
+        compute (data balancing fits its cost model to it); the reduce waits for the slowest rank."""
+        if self._measure:
+            self.accelerator.synchronize()
+            self._compute_end = time.perf_counter()
+        kwargs.setdefault("pg_collection", self.layout.pg_collection)
+        return finalize_model_grads(*args, **kwargs)
+
     def _iterators(self, make):  # noqa: ANN001, ANN202
         its = [make() for _ in self.model_chunks]
         return its if len(its) > 1 else its[0]
 
-    def _run(self, data_iterator, forward_only: bool) -> float:  # noqa: ANN001
+    def _run(self, data_iterator, forward_only: bool, num_microbatches: int | None = None) -> float:  # noqa: ANN001
         t = self.cfg.train
         outputs = self._forward_backward(
             forward_step_func=self.task.forward_step,
             data_iterator=data_iterator,
             model=self.model_chunks,
-            num_microbatches=self.num_microbatches,
+            num_microbatches=num_microbatches or self.num_microbatches,
             seq_length=t.seq_length,
             micro_batch_size=t.micro_batch_size,
             decoder_seq_length=t.seq_length,
@@ -144,14 +155,18 @@ class MegatronEngine(Engine):
             m.train()
             m.zero_grad_buffer()
         self.optimizer.zero_grad()
-        loss = self._run(self._iterators(lambda: self.task.train_microbatches(step, self.num_microbatches)),
-                         forward_only=False)
+        nmb = self.task.num_train_microbatches(step, self.num_microbatches)
+        self._measure = self.task.measures_compute_time()
+        started = time.perf_counter()
+        loss = self._run(self._iterators(lambda: self.task.train_microbatches(step, nmb)),
+                         forward_only=False, num_microbatches=nmb)
+        extra = {"compute_s": self._compute_end - started} if self._measure else {}
         ok, grad_norm, _ = self.optimizer.step()
         if ok:
             self.scheduler.step(increment=1)
         lr = self.optimizer.param_groups[0]["lr"]
         return StepMetrics(loss=loss, grad_norm=None if grad_norm is None else float(grad_norm),
-                           lr=float(lr), skipped=not ok)
+                           lr=float(lr), skipped=not ok, extra=extra)
 
     @torch.no_grad()
     def eval_loss(self, iters: int) -> float | None:

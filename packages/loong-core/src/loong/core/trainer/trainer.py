@@ -79,6 +79,7 @@ class Trainer:
         self.engine.check_resume_layout(state.get("layout", {}))
         self.engine.load(step_dir)
         self.engine.load_scheduler_state(state.get("scheduler", {}))
+        self.task.load_state_dict(state.get("task", {}))
         return int(state["step"])
 
     def _state(self, step: int, loss: float | None) -> dict[str, Any]:
@@ -87,6 +88,7 @@ class Trainer:
             "consumed_samples": step * self.cfg.train.global_batch_size,
             "loss": loss,
             "scheduler": self.engine.scheduler_state(),
+            "task": self.task.state_dict(),
             "layout": {"world_size": self.layout.world_size, "tp": self.layout.tp,
                        "pp": self.layout.pp, "dp": self.layout.dp,
                        "distributed_optimizer": self.cfg.train.distributed_optimizer},
@@ -123,9 +125,11 @@ class Trainer:
             started = time.perf_counter()
             step = start_step
             window_tokens, window_start = 0, time.perf_counter()
+            task_metrics: dict[str, float] = {}  # kept until the next logged step
             with _StopFlag() as stop:
                 while step < t.steps:
                     metrics = self.engine.train_step(step)
+                    task_metrics.update(self.task.after_train_step(step, metrics.extra))
                     step += 1
                     if not math.isnan(metrics.loss):
                         first_loss = metrics.loss if first_loss is None else first_loss
@@ -142,6 +146,8 @@ class Trainer:
                             record["grad_norm"] = metrics.grad_norm
                         if mfu is not None:
                             record["mfu"] = round(mfu, 4)
+                        record.update(task_metrics)
+                        task_metrics = {}
                         mem = self.accelerator.max_memory_allocated()
                         if mem is not None:
                             record["peak_memory_gib"] = round(mem / 2**30, 2)

@@ -99,24 +99,28 @@ class PackedSequences:
         return self.real_tokens / max(1, len(self.bins) * self.seq_length)
 
     def __getitem__(self, i: int) -> dict[str, np.ndarray]:
-        s = self.seq_length
-        tokens = np.full(s, self.pad_id, dtype=np.int64)
-        labels = np.full(s, self.pad_id, dtype=np.int64)
-        loss = np.zeros(s, dtype=np.float32)
-        positions = np.zeros(s, dtype=np.int64)
-        doc_ids = np.full(s, -1, dtype=np.int64)
-        at = 0
-        for k, d in enumerate(self.bins[i]):
-            doc = self.docs[d]
-            n = len(doc)
-            tokens[at : at + n] = doc.ids[:-1]
-            labels[at : at + n] = doc.ids[1:]
-            loss[at : at + n] = doc.loss
-            positions[at : at + n] = np.arange(n)
-            doc_ids[at : at + n] = k
-            at += n
-        return {"tokens": tokens, "labels": labels, "loss_mask": loss, "position_ids": positions,
-                "doc_ids": doc_ids}
+        return pack_row(self.docs, self.bins[i], self.seq_length, self.pad_id)
+
+
+def pack_row(docs: list[Document], members: list[int], length: int, pad_id: int) -> dict[str, np.ndarray]:
+    """One sequence of ``length`` slots: documents ``members`` of ``docs`` one after another, then padding."""
+    tokens = np.full(length, pad_id, dtype=np.int64)
+    labels = np.full(length, pad_id, dtype=np.int64)
+    loss = np.zeros(length, dtype=np.float32)
+    positions = np.zeros(length, dtype=np.int64)
+    doc_ids = np.full(length, -1, dtype=np.int64)
+    at = 0
+    for k, d in enumerate(members):
+        doc = docs[d]
+        n = len(doc)
+        tokens[at : at + n] = doc.ids[:-1]
+        labels[at : at + n] = doc.ids[1:]
+        loss[at : at + n] = doc.loss
+        positions[at : at + n] = np.arange(n)
+        doc_ids[at : at + n] = k
+        at += n
+    return {"tokens": tokens, "labels": labels, "loss_mask": loss, "position_ids": positions,
+            "doc_ids": doc_ids}
 
 
 def document_attention_mask(doc_ids: torch.Tensor) -> torch.Tensor:

@@ -51,9 +51,14 @@ def encode_all(conversations: list[Conversation], hf: Any, template: ChatTemplat
 class SFTTask(PretrainTask):
     """Supervised fine-tuning of a dense decoder on conversations (assistant-only loss)."""
 
+    balances_data = True
+
     @classmethod
     def check_config(cls, cfg: Any) -> None:
         super().check_config(cfg)
+        if cfg.data.balance.enabled and cfg.parallel.pp > 1:
+            raise LoongError("data.balance.enabled=true plans micro-batches of varying shape, which the "
+                             f"pipeline schedule does not take (parallel.pp={cfg.parallel.pp}); use pp=1")
         if cfg.data.paths:
             raise LoongError("data.paths (a blend of preprocessed corpora) is for pretraining; "
                              "SFT reads one chat .jsonl file from data.path")
@@ -99,6 +104,12 @@ class SFTTask(PretrainTask):
         self.valid_data = PackedSequences(valid_docs, t.seq_length, d.packing, self.tokenizer.eod_id)
         self.sampler = GlobalBatchSampler(len(self.train_data), t.seed)
         self.device = self.accelerator.device(self.layout.local_rank)
+        self.balanced = None
+        if d.balance.enabled:
+            from loong.llm.sft.balance import BalancedConversations
+
+            self.balanced = BalancedConversations(self.cfg, self.train_data, self.sampler, self.layout.dp,
+                                                  self.layout.pg_collection.dp)
         if self.layout.is_logging_rank:
             print(self.summary(path), file=sys.stderr)
 
@@ -129,7 +140,43 @@ class SFTTask(PretrainTask):
             batch["loss_scale"] = torch.tensor(scale, dtype=torch.float32)
             yield {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
 
+    def _balanced_batches(self, step: int, nmb: int) -> Iterator[dict]:
+        assert self.balanced is not None
+        scale = nmb * self.layout.dp / max(1, self.balanced.loss_tokens(step))
+        for rows in self.balanced.rows(step, self.layout.dp_rank):
+            batch = make_sft_microbatch(self.balanced.row_arrays(rows))
+            batch["loss_scale"] = torch.tensor(scale, dtype=torch.float32)
+            yield {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
+
+    # --- data-parallel balancing (core hooks) -----------------------------------------------
+    def num_train_microbatches(self, step: int, default: int) -> int:
+        return self.balanced.plan(step)[0].num_micro_batches if self.balanced else default
+
+    def measures_compute_time(self) -> bool:
+        return bool(self.balanced and self.balanced.balancer.measures_time)
+
+    def after_train_step(self, step: int, extra: dict[str, float]) -> dict[str, float]:
+        if not self.balanced:
+            return {}
+        metrics = self.balanced.step_metrics(step)
+        if "compute_s" in extra:
+            fitted = self.balanced.balancer.observe(self.balanced.plan(step)[0], extra["compute_s"], self.device)
+            if fitted and self.layout.is_logging_rank:
+                print(f"data.balance: fitted cost = {fitted['balance_cost_a']:.3g}*len^2 + "
+                      f"{fitted['balance_cost_b']:.3g}*len + {fitted['balance_cost_c']:.3g} seconds", file=sys.stderr)
+            metrics.update(fitted)
+        return metrics
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"balance": self.balanced.balancer.state_dict()} if self.balanced else {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if self.balanced:
+            self.balanced.balancer.load_state_dict(state.get("balance", {}))
+
     def train_microbatches(self, step: int, num_microbatches: int) -> Iterator[dict]:
+        if self.balanced:
+            return self._balanced_batches(step, num_microbatches)
         gbs = self.cfg.train.global_batch_size
         indices = [self.sampler.index(g) for g in range(step * gbs, (step + 1) * gbs)]
         return self._sft_batches(self.train_data, indices, self._rank_offset(num_microbatches), num_microbatches)
