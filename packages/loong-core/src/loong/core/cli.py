@@ -71,13 +71,34 @@ def _strip_nproc(argv: list[str]) -> tuple[int, list[str]]:
     return nproc, out
 
 
+def _setup_env(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+
+
+def _run_env(args: argparse.Namespace) -> int:
+    from loong.core.env import main as env_report
+
+    print(env_report(as_json=args.json))
+    return 0
+
+
+#: Added to every CLI built with :func:`make_cli` (a modality may define its own ``env`` instead).
+ENV_COMMAND = Command(
+    "print Loong's packages and versions, the accelerators and which one runs, and the distributed "
+    "environment (the first thing to paste into a bug report)",
+    _setup_env, _run_env,
+)
+
+
 def make_cli(prog: str, description: str, module: str, commands: dict[str, Command],
              epilog: Callable[[], str] | None = None) -> Callable[[Sequence[str] | None], int]:
     """Build ``main(argv) -> exit code`` for a modality command.
 
     ``module`` is the importable CLI module (used to relaunch under torchrun). Every command accepts
-    ``--nproc-per-node N``; outside torchrun it relaunches itself in N processes.
+    ``--nproc-per-node N``; outside torchrun it relaunches itself in N processes. Every CLI also gets
+    ``env`` (:data:`ENV_COMMAND`) unless ``commands`` defines one.
     """
+    commands = {**commands, "env": commands.get("env", ENV_COMMAND)}
 
     def main(argv: Sequence[str] | None = None) -> int:
         quiet_third_party()
@@ -97,9 +118,10 @@ def make_cli(prog: str, description: str, module: str, commands: dict[str, Comma
                             help="processes on this node; relaunches through torch.distributed.run")
         sub = parser.add_subparsers(dest="command", metavar="COMMAND")
         for name, cmd in commands.items():
+            # The modality's epilog (its presets) is about training, not about `env`.
             p = sub.add_parser(name, help=cmd.help, description=cmd.help,
                                formatter_class=argparse.RawDescriptionHelpFormatter,
-                               epilog=epilog() if epilog else None)
+                               epilog=epilog() if epilog and cmd is not ENV_COMMAND else None)
             cmd.setup(p)
             p.set_defaults(_run=cmd.run)
         args = parser.parse_args(rest)
@@ -117,3 +139,15 @@ def make_cli(prog: str, description: str, module: str, commands: dict[str, Comma
             return 130
 
     return main
+
+
+#: ``loong``: the commands every installation has, whichever modalities are installed (``loong env``).
+main = make_cli(
+    prog="loong",
+    description="Loong's own commands; each modality adds its command (loong-llm, ...) with train etc.",
+    module="loong.core.cli",
+    commands={},
+)
+
+if __name__ == "__main__":
+    sys.exit(main())

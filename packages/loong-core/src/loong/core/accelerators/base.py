@@ -16,17 +16,34 @@ class Accelerator:
         device_type: the torch device type (``cuda``, ``cpu``, ...).
         backend: the torch.distributed backend (``nccl``, ``gloo``, ...).
         priority: higher wins when several are available and none is requested.
+        env_vars: environment variables that configure this hardware, shown by ``loong env`` when set;
+            an entry ending in ``*`` is a prefix (``NCCL_*``).
+
+    ``is_available``, ``unavailable_reason`` and ``runtime_info`` are called for every installed
+    accelerator (by the selection and by ``loong env``), so they must be cheap and change nothing:
+    no device initialisation, no environment writes, no import of the hardware's runtime.
     """
 
     name: str = "base"
     device_type: str = "cpu"
     backend: str = "gloo"
     priority: int = 0
+    env_vars: tuple[str, ...] = ()
 
     @classmethod
     def is_available(cls) -> bool:
         """Whether this hardware is usable in this process."""
         raise NotImplementedError
+
+    @classmethod
+    def unavailable_reason(cls) -> str | None:
+        """None when available; otherwise one line saying why not and, if it helps, what to install."""
+        return None if cls.is_available() else "not available on this machine"
+
+    @classmethod
+    def runtime_info(cls) -> dict[str, str]:
+        """A few cheap facts about the hardware's software stack, for ``loong env`` (no device init)."""
+        return {}
 
     def device(self, local_rank: int = 0) -> torch.device:
         """The torch device that ``local_rank`` uses."""
@@ -62,7 +79,10 @@ class Accelerator:
         return {}
 
     def capabilities(self) -> set[str]:
-        """Optional features present (e.g. ``flash_attn``, ``fp8``, ``triton``)."""
+        """Optional features present, named from :data:`loong.core.accelerators.capabilities.CAPABILITIES`.
+
+        Models take a fused path only when its name is here and fall back to the references otherwise.
+        """
         return set()
 
     @contextlib.contextmanager

@@ -15,6 +15,7 @@ class CPUAccelerator(Accelerator):
     device_type = "cpu"
     backend = "gloo"
     priority = 0
+    env_vars = ("OMP_NUM_THREADS", "GLOO_*")
 
     @classmethod
     def is_available(cls) -> bool:

@@ -20,10 +20,27 @@ class CUDAAccelerator(Accelerator):
     device_type = "cuda"
     backend = "nccl"
     priority = 100
+    env_vars = ("CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_MAX_CONNECTIONS", "CUDA_LAUNCH_BLOCKING",
+                "PYTORCH_CUDA_ALLOC_CONF", "NCCL_*", "TORCH_NCCL_*")
 
     @classmethod
     def is_available(cls) -> bool:
         return torch.cuda.is_available()
+
+    @classmethod
+    def unavailable_reason(cls) -> str | None:
+        if cls.is_available():
+            return None
+        if torch.version.cuda is None:
+            return "this torch is a CPU-only build"
+        return "torch.cuda.is_available() is False (no NVIDIA GPU or driver visible)"
+
+    @classmethod
+    def runtime_info(cls) -> dict[str, str]:
+        info = {"torch CUDA build": torch.version.cuda or "none (CPU-only torch)"}
+        if cls.is_available():
+            info["devices"] = f"{torch.cuda.device_count()} x {torch.cuda.get_device_name()}"
+        return info
 
     def device(self, local_rank: int = 0) -> torch.device:
         return torch.device("cuda", local_rank)
