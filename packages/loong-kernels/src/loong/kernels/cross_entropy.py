@@ -1,0 +1,255 @@
+"""Fused linear + cross-entropy: the loss of ``hidden @ weight.T`` without the full logits tensor.
+
+The eager form materialises ``[tokens, vocab]`` logits, an fp32 copy, the log-softmax and its gradient:
+for 16K tokens and a 128K vocabulary that is 4 GB per bf16 copy and 8 GB per fp32 one. Here the tokens
+are walked in chunks; for each chunk
+
+1. ``logits = hidden_c @ weight.T`` (cuBLAS, bf16 in, fp32 accumulation, ``[c, V]`` in the input dtype),
+2. one Triton program per row computes the log-sum-exp online in fp32, the loss, and overwrites the
+   logits with their gradient ``(softmax - onehot) * scale`` (plus the z-loss term),
+3. ``grad_hidden_c = dlogits @ weight`` and ``grad_weight += dlogits.T @ hidden_c``, the latter
+   accumulated across chunks in an fp32 buffer (cuBLAS writes fp32 straight from bf16 operands), or in the
+   weight's dtype with ``fp32_accumulate=False`` (Liger-Kernel's choice: half the memory, one bf16
+   rounding per chunk).
+
+So the gradients are finished during the forward pass (one logits GEMM instead of two) and backward
+only scales them, in place, by the incoming gradient (so backward runs once: a retained graph cannot
+run it again). Chunks are large by default (about 1 GiB of logits) because the ``grad_weight``
+accumulation reads and writes ``V x H`` once per chunk: with small chunks that traffic, not the matrix
+products, sets the time.
+
+Vocabulary-parallel (tensor-parallel) logits are not handled: the log-sum-exp would need an all-reduce
+across ranks. Use it with the output layer unsharded (TP = 1) or fall back to the reference.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+
+from loong.kernels._dispatch import Backend, cdiv, check_float, kernel, use_triton
+
+try:
+    import triton.language as tl
+except ImportError:  # pragma: no cover
+    tl = None
+
+Reduction = Literal["mean", "sum"]
+LOGITS_BUDGET_BYTES = 1 << 30  # default chunk: about this many bytes of logits at a time
+_BLOCK_V = 4096
+
+
+@kernel
+def _ce_rows(LOGITS, LABELS, LOSS, SCALE, n_cols, stride_l, ignore_index, z_loss, WRITE_GRAD: tl.constexpr,
+             BLOCK_V: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    ptr = LOGITS + row * stride_l
+    label = tl.load(LABELS + row)
+    valid = label != ignore_index
+    # pass 1: online max and sum of exponentials, in fp32
+    m = -float("inf")
+    d = 0.0
+    for off in range(0, n_cols, BLOCK_V):
+        cols = off + tl.arange(0, BLOCK_V)
+        x = tl.load(ptr + cols, mask=cols < n_cols, other=-float("inf")).to(tl.float32)
+        m_new = tl.maximum(m, tl.max(x, axis=0))
+        d = d * tl.exp(m - m_new) + tl.sum(tl.exp(x - m_new), axis=0)
+        m = m_new
+    lse = m + tl.log(d)
+    safe_label = tl.where(valid, label, 0)
+    x_label = tl.load(ptr + safe_label).to(tl.float32)
+    loss = lse - x_label + z_loss * lse * lse
+    tl.store(LOSS + row, tl.where(valid, loss, 0.0))
+    if WRITE_GRAD:
+        # d/dx [lse + z lse^2 - x_label] = softmax * (1 + 2 z lse) - onehot; ignored rows get zeros
+        scale = tl.load(SCALE) * tl.where(valid, 1.0, 0.0)
+        pscale = (1.0 + 2.0 * z_loss * lse) * scale
+        for off in range(0, n_cols, BLOCK_V):
+            cols = off + tl.arange(0, BLOCK_V)
+            cmask = cols < n_cols
+            x = tl.load(ptr + cols, mask=cmask, other=0.0).to(tl.float32)
+            g = tl.exp(x - lse) * pscale - tl.where(cols == label, scale, 0.0)
+            tl.store(ptr + cols, g.to(LOGITS.dtype.element_ty), mask=cmask)
+
+
+@kernel
+def _scale_cast(SRC, DST, G, n, BLOCK: tl.constexpr):
+    """``DST = SRC * G[0]`` in DST's dtype: the fp32 weight gradient times the incoming gradient."""
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    g = tl.load(G).to(tl.float32)
+    tl.store(DST + offs, (tl.load(SRC + offs, mask=mask, other=0.0) * g).to(DST.dtype.element_ty), mask=mask)
+
+
+def _accumulate(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor, first: bool) -> None:
+    """``acc = [acc +] a @ b`` (the product accumulates in fp32 inside the GEMM; ``acc`` keeps its dtype)."""
+    beta = 0.0 if first else 1.0
+    if acc.dtype == a.dtype:
+        torch.addmm(acc, a, b, beta=beta, out=acc)
+    elif a.is_cuda:
+        torch.addmm(acc, a, b, out_dtype=torch.float32, beta=beta, out=acc)
+    else:  # CPU (interpreter tests) or fp32 inputs
+        acc.addmm_(a.float(), b.float(), beta=beta)
+
+
+def _chunk_rows(n_tokens: int, vocab: int, itemsize: int, chunk_size: int | None) -> int:
+    if chunk_size is not None:
+        if chunk_size <= 0:
+            raise ValueError(f"fused_linear_cross_entropy: chunk_size must be positive, got {chunk_size}")
+        return min(chunk_size, max(n_tokens, 1))
+    rows = max(128, LOGITS_BUDGET_BYTES // (vocab * itemsize) // 128 * 128)
+    return min(rows, max(n_tokens, 1))
+
+
+class _FusedLinearCEFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, labels, ignore_index, z_loss, reduction, chunk_size, fp32_accumulate, need_dh,
+                need_dw):
+        h2 = hidden.reshape(-1, hidden.shape[-1])
+        if h2.stride(-1) != 1:
+            h2 = h2.contiguous()
+        lab = labels.reshape(-1)
+        n, hid = h2.shape
+        vocab = weight.shape[0]
+        dev = h2.device
+        valid = lab != ignore_index
+        # garbage labels would index outside the row: refuse them here (one host sync per call)
+        if bool((valid & ((lab < 0) | (lab >= vocab))).any()):
+            raise ValueError(f"fused_linear_cross_entropy: labels outside [0, {vocab}) that are not "
+                             f"ignore_index={ignore_index}")
+        if reduction == "mean":
+            scale = 1.0 / valid.sum().clamp(min=1).to(torch.float32)  # stays on the device: no sync
+        else:
+            scale = torch.ones((), dtype=torch.float32, device=dev)
+        scale = scale.reshape(1)
+        losses = torch.empty(n, dtype=torch.float32, device=dev)
+        need_grad = need_dh or need_dw
+        dh = torch.empty_like(h2) if need_dh else None
+        acc_dtype = torch.float32 if fp32_accumulate else weight.dtype
+        dw = torch.empty((vocab, hid), dtype=acc_dtype, device=dev) if need_dw else None
+        rows = _chunk_rows(n, vocab, h2.element_size(), chunk_size)
+        logits_buf = torch.empty((min(rows, n), vocab), dtype=h2.dtype, device=dev) if n else None
+        warps = 8 if h2.is_cuda else 4
+        for i, start in enumerate(range(0, n, rows)):
+            end = min(start + rows, n)
+            hc = h2[start:end]
+            lg = logits_buf[: end - start]
+            torch.mm(hc, weight.t(), out=lg)
+            _ce_rows[(end - start,)](lg, lab[start:end], losses[start:end], scale, vocab, lg.stride(0),
+                                     ignore_index, z_loss, WRITE_GRAD=need_grad, BLOCK_V=_BLOCK_V,
+                                     num_warps=warps)
+            if need_dh:
+                torch.mm(lg, weight, out=dh[start:end])
+            if need_dw:
+                _accumulate(dw, lg.t(), hc, first=i == 0)
+        if need_dw and n == 0:
+            dw.zero_()
+        loss = (losses.sum() * scale[0]) if n else torch.zeros((), dtype=torch.float32, device=dev)
+        # the buffers, not saved tensors: backward scales them in place and hands them out as the gradients
+        ctx.grads = (dh, dw)
+        ctx.shape, ctx.wdtype = hidden.shape, weight.dtype
+        return loss
+
+    @staticmethod
+    def backward(ctx, g):
+        if ctx.grads is None:
+            raise RuntimeError("fused_linear_cross_entropy: backward ran twice; its gradients are computed in "
+                               "forward and handed out once (do not retain this graph for a second backward)")
+        dh, dw = ctx.grads
+        ctx.grads = None
+        g = g.to(torch.float32).reshape(1)
+        grad_h = grad_w = None
+        block = 4096
+        if dh is not None:
+            if dh.numel():
+                _scale_cast[(cdiv(dh.numel(), block),)](dh, dh, g, dh.numel(), BLOCK=block, num_warps=8)
+            grad_h = dh.view(ctx.shape)
+        if dw is not None:
+            # fp32 accumulator -> a new tensor in the weight's dtype; same dtype -> scaled in place
+            grad_w = dw if dw.dtype == ctx.wdtype else torch.empty(dw.shape, dtype=ctx.wdtype, device=dw.device)
+            if dw.numel():
+                _scale_cast[(cdiv(dw.numel(), block),)](dw, grad_w, g, dw.numel(), BLOCK=block, num_warps=8)
+        return grad_h, grad_w, None, None, None, None, None, None, None, None
+
+
+def _check(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, reduction: str) -> None:
+    if weight.dim() != 2 or weight.shape[1] != hidden.shape[-1]:
+        raise ValueError(f"fused_linear_cross_entropy: weight {tuple(weight.shape)} is not [vocab, "
+                         f"{hidden.shape[-1]}]")
+    if labels.shape != hidden.shape[:-1]:
+        raise ValueError(f"fused_linear_cross_entropy: labels {tuple(labels.shape)} must match hidden's leading "
+                         f"dimensions {tuple(hidden.shape[:-1])} (megatron: pass labels.t() for [s, b, h] hidden)")
+    if labels.dtype not in (torch.int64, torch.int32):
+        raise ValueError(f"fused_linear_cross_entropy: labels must be int64/int32, got {labels.dtype}")
+    if reduction not in ("mean", "sum"):
+        raise ValueError(f"fused_linear_cross_entropy: reduction must be 'mean' or 'sum', got {reduction!r}")
+
+
+def fused_linear_cross_entropy_reference(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
+                                         ignore_index: int = -100, z_loss: float = 0.0,
+                                         reduction: Reduction = "mean", chunk_size: int | None = None,
+                                         fp32_accumulate: bool = True) -> torch.Tensor:
+    """Eager twin of :func:`fused_linear_cross_entropy`: full logits, upcast to fp32 (``chunk_size`` and
+    ``fp32_accumulate`` are accepted and unused: there is one GEMM, accumulating in fp32)."""
+    _check(hidden, weight, labels, reduction)
+    logits = (hidden.reshape(-1, hidden.shape[-1]) @ weight.t()).float()
+    lab = labels.reshape(-1).long()
+    total = F.cross_entropy(logits, lab, ignore_index=ignore_index, reduction="sum")
+    valid = lab != ignore_index
+    if z_loss:
+        lse = torch.logsumexp(logits, dim=-1)
+        total = total + z_loss * (lse.square() * valid).sum()
+    if reduction == "mean":
+        total = total / valid.sum().clamp(min=1)
+    return total
+
+
+def _why_not(hidden: torch.Tensor, weight: torch.Tensor) -> str | None:
+    reason = check_float("fused_linear_cross_entropy", hidden, "hidden") or check_float(
+        "fused_linear_cross_entropy", weight, "weight")
+    if reason:
+        return reason
+    if hidden.dtype != weight.dtype:
+        return f"hidden is {hidden.dtype} but weight is {weight.dtype}"
+    if weight.stride(-1) != 1 and weight.stride(0) != 1:
+        return "weight is neither row- nor column-major"
+    return None
+
+
+def fused_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
+                               ignore_index: int = -100, z_loss: float = 0.0, reduction: Reduction = "mean",
+                               chunk_size: int | None = None, fp32_accumulate: bool = True, *,
+                               backend: Backend = "auto") -> torch.Tensor:
+    """Cross-entropy of ``hidden @ weight.T`` against ``labels``, never holding all the logits.
+
+    ``loss = reduce_i [lse_i - logit_i[label_i] + z_loss * lse_i^2]`` over tokens whose label is not
+    ``ignore_index``; ``"mean"`` divides by the number of such tokens (0 tokens give a loss of 0 and zero
+    gradients, where ``torch.nn.functional.cross_entropy`` would give NaN).
+
+    Args:
+        hidden: ``[..., H]`` final hidden states, bf16/fp16/fp32 (megatron's ``[s, b, H]`` works as is).
+        weight: ``[V, H]`` output projection (the tied embedding or the LM head), same dtype as ``hidden``.
+        labels: int64/int32 with ``hidden``'s leading shape (for megatron's ``[b, s]`` labels pass
+            ``labels.t()``).
+        ignore_index: label of tokens that carry no loss.
+        z_loss: coefficient of the ``lse^2`` auxiliary loss (PaLM's z-loss); 0 disables it.
+        reduction: ``"mean"`` or ``"sum"``.
+        chunk_size: tokens per chunk; default about 1 GiB of logits (4096 tokens at V = 128K in bf16).
+        fp32_accumulate: accumulate the weight gradient across chunks in fp32 (``4 V H`` bytes, then
+            cast); False accumulates in the weight's dtype (``2 V H`` bytes for bf16, one rounding per chunk).
+        backend: ``"auto"``, ``"triton"`` or ``"reference"``.
+
+    Returns:
+        A 0-dim fp32 loss. Backward (once) gives ``hidden`` and ``weight`` gradients in their dtypes. Both are
+        computed during forward, so between forward and backward the call holds the weight-gradient
+        accumulator and a ``hidden``-sized buffer.
+    """
+    _check(hidden, weight, labels, reduction)
+    if not use_triton(backend, "fused_linear_cross_entropy", (hidden, weight, labels), _why_not(hidden, weight)):
+        return fused_linear_cross_entropy_reference(hidden, weight, labels, ignore_index, z_loss, reduction,
+                                                    chunk_size, fp32_accumulate)
+    grad = torch.is_grad_enabled()
+    return _FusedLinearCEFn.apply(hidden, weight, labels, int(ignore_index), float(z_loss), reduction, chunk_size,
+                                  bool(fp32_accumulate), grad and hidden.requires_grad, grad and weight.requires_grad)
