@@ -180,6 +180,7 @@ def _stale_tmp(run: Path) -> Path:
 
 def test_dangling_latest_is_a_clear_error(tmp_path: Path) -> None:
     """``latest`` naming a missing step (e.g. deleted by hand) fails with one line, not a traceback later."""
+    # (``latest`` is informational; what counts is a step directory with a valid manifest.)
     root = tmp_path / "run" / "checkpoints"
     _save(CheckpointManager(root), 4)
     for p in (root / "step_00000004").iterdir():
@@ -188,7 +189,7 @@ def test_dangling_latest_is_a_clear_error(tmp_path: Path) -> None:
     assert CheckpointManager(root).latest() is None
     with pytest.raises(LoongError) as err:
         resolve_checkpoint(tmp_path / "run")
-    assert "step_00000004" in str(err.value) and "\n" not in str(err.value)
+    assert "not a Loong checkpoint" in str(err.value) and "\n" not in str(err.value)
 
 
 def test_state_and_config_files_are_plain(tmp_path: Path) -> None:
@@ -199,3 +200,55 @@ def test_state_and_config_files_are_plain(tmp_path: Path) -> None:
     assert json.loads((out / STATE_FILE).read_text()) == {"step": 7, "scheduler": {"num_steps": 7}}
     assert yaml.safe_load((out / CONFIG_FILE).read_text()) == config
     assert list(config) == list(read_config(out))  # order kept (sort_keys=False): readable diffs
+
+
+# --- manifest and integrity ------------------------------------------------------------------------
+def test_manifest_is_written_last_and_verifies(tmp_path: Path) -> None:
+    from loong.core.checkpoint import MANIFEST, checkpoint_problem
+
+    step = _save(CheckpointManager(tmp_path / "checkpoints"), 1)
+    manifest = json.loads((step / MANIFEST).read_text())
+    assert set(manifest["files"]) == {"shard.bin", ".metadata", STATE_FILE, CONFIG_FILE}
+    assert manifest["files"]["shard.bin"]["size"] == len(b"step1") * 100
+    assert checkpoint_problem(step) is None
+    (step / "shard.bin").write_bytes(b"x" * 500)  # same size, other bytes
+    assert "corrupted" in checkpoint_problem(step)
+    assert checkpoint_problem(step, checksums=False) is None  # sizes alone cannot see it
+    (step / "shard.bin").write_bytes(b"x")
+    assert "truncated" in checkpoint_problem(step, checksums=False)
+
+
+def test_broken_directories_do_not_count_towards_keep_last(tmp_path: Path) -> None:
+    root = tmp_path / "checkpoints"
+    mgr = CheckpointManager(root, keep_last=2)
+    _save(mgr, 2)
+    broken = _save(mgr, 4)
+    (broken / "manifest.json").unlink()  # e.g. damaged by hand: not a checkpoint any more
+    _save(mgr, 6)
+    # keep_last=2 keeps the two newest *complete* ones (6 and 2); the broken one is left for a person.
+    assert sorted(p.name for p in root.glob("step_*")) == ["step_00000002", "step_00000004", "step_00000006"]
+    assert mgr.latest() == root / "step_00000006"
+    (root / "step_00000006" / "shard.bin").write_bytes(b"")
+    assert mgr.latest() == root / "step_00000002"  # newest that verifies
+
+
+def test_rng_states_round_trip_without_unpickling(tmp_path: Path) -> None:
+    import random
+
+    import numpy as np
+    import torch
+
+    from loong.core.checkpoint import load_rng_states, save_rng_states
+
+    random.seed(1)
+    np.random.seed(2)
+    torch.manual_seed(3)
+    save_rng_states(tmp_path)
+    want = (random.random(), float(np.random.rand()), torch.rand(3))
+    random.seed(9)
+    np.random.seed(9)
+    torch.manual_seed(9)
+    assert load_rng_states(tmp_path) is None  # loads with torch.load(weights_only=True)
+    got = (random.random(), float(np.random.rand()), torch.rand(3))
+    assert got[:2] == want[:2] and torch.equal(got[2], want[2])
+    assert "no RNG states" in load_rng_states(tmp_path / "elsewhere")

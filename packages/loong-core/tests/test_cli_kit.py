@@ -7,7 +7,7 @@ import argparse
 import pytest
 
 import loong.core.cli as cli
-from loong.core.cli import Command, _strip_nproc, make_cli
+from loong.core.cli import Command, _strip_launch_options, make_cli
 from loong.core.errors import LoongError
 
 
@@ -26,7 +26,8 @@ from loong.core.errors import LoongError
 )
 def test_strip_nproc(argv: list[str], expected: tuple[int, list[str]]) -> None:
     before = list(argv)
-    assert _strip_nproc(argv) == expected
+    nproc, rest = expected
+    assert _strip_launch_options(argv) == ({"--nproc-per-node": nproc} if nproc else {}, rest)
     assert argv == before  # the caller's list is not modified
 
 
@@ -149,16 +150,18 @@ def test_non_integer_nproc_is_one_error_line(capsys: pytest.CaptureFixture[str],
     err = capsys.readouterr().err
     assert err.startswith("error: --nproc-per-node expects an integer") and err.count("\n") == 1
     with pytest.raises(LoongError):
-        _strip_nproc(argv)
+        _strip_launch_options(argv)
 
 
 def test_nproc_above_one_relaunches_without_the_flag(monkeypatch: pytest.MonkeyPatch) -> None:
     launched: list = []
-    monkeypatch.setattr(cli, "relaunch", lambda n, module, argv: launched.append((n, module, argv)) or 3)
+    monkeypatch.setattr(cli, "relaunch",
+                        lambda n, module, argv, max_restarts=0: launched.append((n, module, argv, max_restarts)) or 3)
     calls: list = []
     main = _cli(lambda a: 0, calls)
     assert main(["go", "--nproc-per-node", "2", "k=v"]) == 3
-    assert launched == [(2, "dummy.cli", ["go", "k=v"])]
+    assert main(["go", "--nproc-per-node", "2", "--max-restarts=1"]) == 3
+    assert launched == [(2, "dummy.cli", ["go", "k=v"], 0), (2, "dummy.cli", ["go"], 1)]
     assert not calls  # the parent only launches
 
 
@@ -172,3 +175,10 @@ def test_workers_started_by_torchrun_do_not_relaunch(monkeypatch: pytest.MonkeyP
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "abc")
     monkeypatch.setattr(cli, "relaunch", lambda *a: pytest.fail("relaunched inside torchrun"))
     assert _cli(lambda a: 5)(["go", "--nproc-per-node", "2"]) == 5
+
+
+def test_max_restarts_is_a_launch_option() -> None:
+    found, rest = _strip_launch_options(["train", "--max-restarts", "2", "--nproc-per-node=4", "a=1"])
+    assert found == {"--max-restarts": 2, "--nproc-per-node": 4} and rest == ["train", "a=1"]
+    with pytest.raises(LoongError, match="--max-restarts expects an integer"):
+        _strip_launch_options(["--max-restarts=x"])

@@ -6,6 +6,7 @@ import argparse
 import logging
 import os
 import sys
+import time
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -34,11 +35,17 @@ def quiet_third_party() -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
-def relaunch(nproc: int, module: str, argv: Sequence[str]) -> int:
-    """Start ``python -m module argv`` in ``nproc`` processes through torch.distributed.run."""
+def relaunch(nproc: int, module: str, argv: Sequence[str], max_restarts: int = 0) -> int:
+    """Start ``python -m module argv`` in ``nproc`` processes through torch.distributed.run.
+
+    ``max_restarts``: torchrun restarts the whole group this many times after a worker fails; the
+    restarted run resumes from its last checkpoint (``train.resume=auto``). The run directory's
+    timestamp is fixed here (``LOONG_RUN_STAMP``) so that every attempt finds the same directory.
+    """
     from torch.distributed.run import main as torchrun
 
-    args = ["--standalone", f"--nproc-per-node={nproc}", "-m", module, *argv]
+    os.environ.setdefault("LOONG_RUN_STAMP", time.strftime("%Y%m%d-%H%M%S"))
+    args = ["--standalone", f"--nproc-per-node={nproc}", f"--max-restarts={max_restarts}", "-m", module, *argv]
     try:
         torchrun(args)
     except SystemExit as exc:  # torchrun exits non-zero when a worker fails
@@ -49,26 +56,33 @@ def relaunch(nproc: int, module: str, argv: Sequence[str]) -> int:
     return 0
 
 
-def _strip_nproc(argv: list[str]) -> tuple[int, list[str]]:
-    """Remove ``--nproc-per-node N`` / ``--nproc-per-node=N`` from argv; return N (0 if absent)."""
-    def as_int(value: str) -> int:
+LAUNCH_OPTIONS = ("--nproc-per-node", "--max-restarts")
+
+
+def _strip_launch_options(argv: list[str]) -> tuple[dict[str, int], list[str]]:
+    """Remove ``--nproc-per-node N`` and ``--max-restarts N`` (either form) from argv.
+
+    Returns ``({option: value}, rest)``; the last occurrence wins; a dangling option is left for argparse.
+    """
+    def as_int(option: str, value: str) -> int:
         try:
             return int(value)
         except ValueError:
-            raise LoongError(f"--nproc-per-node expects an integer, got {value!r}") from None
+            raise LoongError(f"{option} expects an integer, got {value!r}") from None
 
-    out, nproc, i = [], 0, 0
+    out, found, i = [], {}, 0
     while i < len(argv):
         arg = argv[i]
-        if arg == "--nproc-per-node" and i + 1 < len(argv):
-            nproc, i = as_int(argv[i + 1]), i + 2
+        if arg in LAUNCH_OPTIONS and i + 1 < len(argv):
+            found[arg], i = as_int(arg, argv[i + 1]), i + 2
             continue
-        if arg.startswith("--nproc-per-node="):
-            nproc = as_int(arg.split("=", 1)[1])
+        option, eq, value = arg.partition("=")
+        if eq and option in LAUNCH_OPTIONS:
+            found[option] = as_int(option, value)
         else:
             out.append(arg)
         i += 1
-    return nproc, out
+    return found, out
 
 
 def _setup_env(p: argparse.ArgumentParser) -> None:
@@ -104,18 +118,22 @@ def make_cli(prog: str, description: str, module: str, commands: dict[str, Comma
         quiet_third_party()
         argv = list(sys.argv[1:] if argv is None else argv)
         try:
-            nproc, rest = _strip_nproc(argv)
+            launch, rest = _strip_launch_options(argv)
         except LoongError as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 2
-        if nproc > 1 and "TORCHELASTIC_RUN_ID" not in os.environ:
-            return relaunch(nproc, module, rest)
+        nproc, restarts = launch.get("--nproc-per-node", 0), launch.get("--max-restarts", 0)
+        if (nproc > 1 or restarts) and "TORCHELASTIC_RUN_ID" not in os.environ:
+            return relaunch(max(nproc, 1), module, rest, max_restarts=restarts)
         parser = argparse.ArgumentParser(
             prog=prog, description=description, formatter_class=argparse.RawDescriptionHelpFormatter,
             epilog=epilog() if epilog else None,
         )
         parser.add_argument("--nproc-per-node", type=int, default=0,
                             help="processes on this node; relaunches through torch.distributed.run")
+        parser.add_argument("--max-restarts", type=int, default=0,
+                            help="restart all processes this many times after a failure (torchrun's "
+                                 "elastic restarts); the run resumes from its last checkpoint")
         sub = parser.add_subparsers(dest="command", metavar="COMMAND")
         for name, cmd in commands.items():
             # The modality's epilog (its presets) is about training, not about `env`.

@@ -84,6 +84,20 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _elastic_store(world_size: int, timeout: datetime.timedelta) -> Any:
+    """The torchrun agent's store with keys prefixed by the restart attempt, or None off torchrun.
+
+    The agent keeps one store across elastic restarts (``--max-restarts``), and torch 2.11 does not
+    prefix the keys per attempt: the restarted workers then read their predecessors' gloo
+    addresses and time out. A per-attempt prefix gives every attempt a clean namespace.
+    """
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size,
+                          is_master=False, timeout=timeout)
+    return dist.PrefixStore(f"/loong/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
+
+
 def init_distributed(accelerator: Accelerator, cfg: ParallelConfig) -> ParallelLayout:
     """Join (or create, for a single process) the default group and build megatron-core's groups.
 
@@ -102,7 +116,11 @@ def init_distributed(accelerator: Accelerator, cfg: ParallelConfig) -> ParallelL
     dp = check_layout(cfg, world_size)
     accelerator.set_device(local_rank)
     if not dist.is_initialized():
-        kwargs: dict[str, Any] = {"backend": accelerator.backend, "timeout": datetime.timedelta(minutes=30)}
+        timeout = datetime.timedelta(minutes=30)
+        kwargs: dict[str, Any] = {"backend": accelerator.backend, "timeout": timeout}
+        store = _elastic_store(world_size, timeout)
+        if store is not None:
+            kwargs.update(store=store, rank=int(os.environ["RANK"]), world_size=world_size)
         if accelerator.device_type == "cuda":
             kwargs["device_id"] = torch.device("cuda", local_rank)
         dist.init_process_group(**kwargs)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -9,7 +10,7 @@ from typing import Any
 import torch.distributed as dist
 
 from loong.core.accelerators import select_accelerator
-from loong.core.checkpoint import CheckpointManager, read_config, read_state, resolve_checkpoint
+from loong.core.checkpoint import newest_good, read_config, read_state, resolve_checkpoint, verify_checkpoint
 from loong.core.config import compose_config, from_dict, to_dict
 from loong.core.errors import LoongError
 from loong.core.parallel import init_distributed, shutdown_distributed
@@ -21,20 +22,28 @@ def _run_dir(cfg: Any) -> Path:
     name = cfg.run_name
     if name is None:
         preset = getattr(cfg.model, "preset", None) or "run"
-        stamp = [f"{preset}-{time.strftime('%Y%m%d-%H%M%S')}"]
+        # A launcher that may restart the run (--max-restarts) fixes the stamp for every attempt.
+        stamp = [f"{preset}-{os.environ.get('LOONG_RUN_STAMP') or time.strftime('%Y%m%d-%H%M%S')}"]
         if dist.is_initialized():
             dist.broadcast_object_list(stamp, src=0)  # one name for every rank
         name = stamp[0]
     return Path(cfg.output_dir) / name
 
 
-def _find_resume(cfg: Any, run_dir: Path) -> Path | None:
+def _find_resume(cfg: Any, run_dir: Path, echo: Any) -> Path | None:
+    """The checkpoint to continue from (collective: ranks share the checksum work)."""
     resume = cfg.train.resume
+    checksums = cfg.train.checkpoint_checksums
     if resume in ("none", "never", ""):
         return None
     if resume == "auto":
-        return CheckpointManager(run_dir / "checkpoints").latest()
-    return resolve_checkpoint(resume)
+        found, skipped = newest_good(run_dir / "checkpoints", checksums)
+        for step_dir, why in skipped:
+            echo(f"skipping checkpoint {step_dir.name}: {why}")
+        return found
+    step_dir = resolve_checkpoint(resume, verify=False)
+    verify_checkpoint(step_dir, checksums)
+    return step_dir
 
 
 def _with_model_overrides(model: dict, overrides: list[str]) -> dict:
@@ -55,8 +64,8 @@ def train(config_module: str, config_name: str, overrides: list[str], schema: ty
     if cfg.train.resume not in ("auto", "none", "never", ""):
         # An explicit checkpoint defines the model it holds (e.g. one made by `convert`); model.*
         # keys given on the command line (e.g. model.lora.rank=8) still win.
-        plain["model"] = _with_model_overrides(read_config(resolve_checkpoint(cfg.train.resume))["model"],
-                                               overrides)
+        step_dir = resolve_checkpoint(cfg.train.resume, verify=False)  # checksums: after dist init
+        plain["model"] = _with_model_overrides(read_config(step_dir)["model"], overrides)
         cfg = from_dict(schema, plain)
     task_cls = TASKS.get(cfg.task)
     engine_cls = ENGINES.get(cfg.engine)
@@ -73,7 +82,7 @@ def train(config_module: str, config_name: str, overrides: list[str], schema: ty
             task = task_cls(cfg, accelerator, layout)
             task.setup_data()
             run_dir = _run_dir(cfg)
-            checkpoint = _find_resume(cfg, run_dir)
+            checkpoint = _find_resume(cfg, run_dir, echo if layout.is_logging_rank else (lambda _m: None))
             if checkpoint is not None and 0 < read_state(checkpoint)["step"] >= cfg.train.steps:
                 raise LoongError(
                     f"{checkpoint} is already at step {read_state(checkpoint)['step']} >= "
@@ -86,6 +95,8 @@ def train(config_module: str, config_name: str, overrides: list[str], schema: ty
                 start = trainer.restore(checkpoint)
                 if layout.is_logging_rank:
                     echo(f"resumed from {checkpoint} at step {start}")
+                    for note in trainer.restore_notes:
+                        echo(note)
             if layout.is_logging_rank:
                 echo(f"run directory: {run_dir}  ({accelerator.name}, world {layout.world_size}: "
                      f"tp={layout.tp} pp={layout.pp} dp={layout.dp})")

@@ -125,10 +125,12 @@ def convert(src: str | Path, dst: str | Path, dtype: str = "auto", merge_lora: b
             raise LoongError(f"--merge-lora applies to a Loong checkpoint; {src} is a Hugging Face folder")
         return hf_to_loong(src_p, dst_p, dtype)
     try:
-        resolve_checkpoint(src_p)
-    except LoongError:
+        resolve_checkpoint(src_p, verify=False)  # is it a checkpoint at all? (integrity: below)
+    except LoongError as exc:
+        if "not a Loong checkpoint" not in str(exc):  # a checkpoint, but broken: say how
+            raise
         raise LoongError(
             f"{src} is neither a Hugging Face model folder (no config.json) nor a Loong checkpoint "
-            "(no 'latest' or trainer_state.json)"
+            "(no manifest.json, trainer_state.json or step_* directories)"
         ) from None
     return loong_to_hf(src_p, dst_p, dtype, merge_lora=merge_lora)

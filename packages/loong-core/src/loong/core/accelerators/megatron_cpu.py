@@ -66,12 +66,27 @@ class _HostStream:
 _HOST_STREAM = _HostStream()
 
 
+def _die_with_parent() -> None:
+    """Run in the queue's server process: exit when the training process dies, even by SIGKILL.
+
+    Otherwise a killed run leaves the manager process behind, holding the run's stdout open.
+    """
+    import ctypes
+    import signal
+
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
 def _fork_results_queue(mp_mode: str = "fork") -> Any:
     import multiprocessing
+    from multiprocessing.managers import SyncManager
 
     fa = importlib.import_module("megatron.core.dist_checkpointing.strategies.filesystem_async")
     if fa._results_queue is None:
-        fa._results_queue = multiprocessing.get_context("fork").Manager().Queue()
+        manager = SyncManager(ctx=multiprocessing.get_context("fork"))
+        manager.start(initializer=_die_with_parent)
+        fa._results_queue = manager.Queue()
     return fa._results_queue
 
 

@@ -88,6 +88,9 @@ class TrainConfig:
     save_interval: int = 0
     save_final: bool = True
     keep_last: int = 2
+    async_save: bool = False
+    checkpoint_checksums: bool = True
+    on_nonfinite: Literal["stop", "skip", "rollback"] = "stop"
     resume: str = "auto"
     save_hf: bool = False
     progress: bool = True

@@ -17,6 +17,7 @@ class StepMetrics:
     grad_norm: float | None = None
     lr: float = 0.0
     skipped: bool = False
+    nonfinite: bool = False  # the loss or a gradient was NaN/Inf; the update was not applied
     extra: dict[str, float] = field(default_factory=dict)
 
 

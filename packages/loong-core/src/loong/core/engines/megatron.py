@@ -150,6 +150,22 @@ class MegatronEngine(Engine):
         dist.all_reduce(total, group=self.layout.pg_collection.dp_cp)
         return float(total) / dist.get_world_size(self.layout.pg_collection.dp_cp)
 
+    def _nonfinite(self, loss: float) -> tuple[bool, bool]:
+        """(loss, gradients) NaN/Inf anywhere: the same answer on every rank.
+
+        Checked before the optimiser step: megatron-core only checks for fp16 loss scaling, and a
+        NaN gradient would otherwise be clipped into NaN weights.
+        """
+        loss_bad = self.layout.is_last_stage and not math.isfinite(loss)
+        grads_bad = False
+        for chunk in self.model_chunks:
+            for buffer in [*getattr(chunk, "buffers", []), *getattr(chunk, "expert_parallel_buffers", [])]:
+                grads_bad = grads_bad or not bool(torch.isfinite(buffer.grad_data).all())
+        flags = torch.tensor([float(loss_bad), float(grads_bad)],
+                             device=self.accelerator.device(self.layout.local_rank))
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        return bool(flags[0] > 0), bool(flags[1] > 0)
+
     def train_step(self, step: int) -> StepMetrics:
         for m in self.model_chunks:
             m.train()
@@ -161,6 +177,13 @@ class MegatronEngine(Engine):
         loss = self._run(self._iterators(lambda: self.task.train_microbatches(step, nmb)),
                          forward_only=False, num_microbatches=nmb)
         extra = {"compute_s": self._compute_end - started} if self._measure else {}
+        loss_bad, grads_bad = self._nonfinite(loss)
+        if loss_bad or grads_bad:
+            for m in self.model_chunks:
+                m.zero_grad_buffer()
+            extra.update(loss_finite=float(not loss_bad), grads_nonfinite=float(grads_bad))
+            return StepMetrics(loss=loss, lr=float(self.optimizer.param_groups[0]["lr"]), skipped=True,
+                               nonfinite=True, extra=extra)
         ok, grad_norm, _ = self.optimizer.step()
         if ok:
             self.scheduler.step(increment=1)
@@ -221,6 +244,17 @@ class MegatronEngine(Engine):
         sd = self._model_sd()
         sd["optimizer"] = self._optimizer_sd(sd, is_loading=False)
         dist_checkpointing.save(sd, str(directory))
+
+    def save_async(self, directory: Path):  # noqa: ANN201
+        """Start writing the shards in the background; returns megatron-core's ``AsyncRequest``."""
+        sd = self._model_sd()
+        sd["optimizer"] = self._optimizer_sd(sd, is_loading=False)
+        # megatron-core's own async writer ('mcore'); 'nvrx' needs nvidia-resiliency-ext.
+        return dist_checkpointing.save(sd, str(directory), async_sharded_save=True, async_strategy="mcore")
+
+    def loss_scale(self) -> float:
+        """The optimiser's current loss scale (1.0 without fp16 dynamic scaling)."""
+        return float(self.optimizer.get_loss_scale())
 
     def _materialise_optimizer_state(self) -> None:
         """Give a fresh distributed optimiser its (zero) Adam states before loading into it.

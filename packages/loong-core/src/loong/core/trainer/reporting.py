@@ -71,7 +71,7 @@ class Reporter:
     def print(self, message: str) -> None:
         """A line above the progress bar."""
         if self.enabled:
-            self.console.print(message)
+            self.console.print(message, soft_wrap=True)  # one line: logs get grepped
 
     def close(self, plot: bool = True) -> Path | None:
         """Stop the bar, flush files and (``plot``) draw the loss curve; returns the PNG path."""

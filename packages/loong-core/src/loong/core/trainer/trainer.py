@@ -13,12 +13,14 @@ import torch
 import torch.distributed as dist
 
 from loong.core.accelerators.base import Accelerator
-from loong.core.checkpoint import CheckpointManager, read_state
+from loong.core.checkpoint import CheckpointManager, load_rng_states, read_config, read_state, save_rng_states
 from loong.core.config.schema import RunConfig
 from loong.core.engines.base import Engine
+from loong.core.errors import LoongError
 from loong.core.parallel import ParallelLayout
 from loong.core.task import Task
 from loong.core.trainer.reporting import Reporter
+from loong.core.trainer.resilience import BatchSchedule, check_same_model, nonfinite_diagnostic
 
 
 @dataclass
@@ -64,22 +66,33 @@ class Trainer:
                  layout: ParallelLayout, accelerator: Accelerator, run_dir: Path) -> None:
         self.cfg, self.config_dict, self.task, self.engine = cfg, config_dict, task, engine
         self.layout, self.accelerator, self.run_dir = layout, accelerator, run_dir
-        self.checkpoints = CheckpointManager(run_dir / "checkpoints", keep_last=cfg.train.keep_last)
+        self.checkpoints = CheckpointManager(run_dir / "checkpoints", keep_last=cfg.train.keep_last,
+                                             checksums=cfg.train.checkpoint_checksums)
+        self.batches = BatchSchedule()
+        self.nonfinite_steps = 0
+        self.restore_notes: list[str] = []  # what a resume could not carry over (printed by the caller)
 
     # --- resume ------------------------------------------------------------------------------
     def restore(self, step_dir: Path) -> int:
         """Load a checkpoint into the engine; returns the step to continue from.
 
         A weights-only checkpoint (``convert`` of an HF folder) starts a fresh run from its weights.
+        Everything else continues exactly: model, optimiser, scheduler, task state (e.g. the data
+        balancer's fitted cost), skipped batches, and every RNG stream of this rank.
         """
         state = read_state(step_dir)
         if state.get("weights_only"):
             self.engine.load(step_dir, load_optimizer=False, allow_missing=True)
             return 0
+        check_same_model(step_dir, read_config(step_dir).get("model", {}), self.config_dict.get("model", {}))
         self.engine.check_resume_layout(state.get("layout", {}))
         self.engine.load(step_dir)
         self.engine.load_scheduler_state(state.get("scheduler", {}))
         self.task.load_state_dict(state.get("task", {}))
+        self.batches = BatchSchedule(state.get("data", {}).get("skipped_batches", []) + self.batches.skipped)
+        self.nonfinite_steps = max(self.nonfinite_steps, int(state.get("nonfinite_steps", 0)))
+        why = load_rng_states(step_dir)
+        self.restore_notes = [f"RNG streams start afresh: {why}"] if why else []
         return int(state["step"])
 
     def _state(self, step: int, loss: float | None) -> dict[str, Any]:
@@ -88,16 +101,44 @@ class Trainer:
             "consumed_samples": step * self.cfg.train.global_batch_size,
             "loss": loss,
             "scheduler": self.engine.scheduler_state(),
+            "loss_scale": getattr(self.engine, "loss_scale", lambda: 1.0)(),
             "task": self.task.state_dict(),
+            "data": {"next_batch": self.batches.batch(step), "skipped_batches": self.batches.skipped},
+            "nonfinite_steps": self.nonfinite_steps,
             "layout": {"world_size": self.layout.world_size, "tp": self.layout.tp,
                        "pp": self.layout.pp, "dp": self.layout.dp,
                        "distributed_optimizer": self.cfg.train.distributed_optimizer},
         }
 
     def save(self, step: int, loss: float | None) -> Path:
-        """Collective checkpoint of the current state."""
+        """Collective checkpoint of the current state (returns before the write ends with async_save)."""
         return self.checkpoints.save(step, self.engine, self._state(step, loss), self.config_dict,
-                                     artifacts=self.task.save_artifacts)
+                                     artifacts=self.task.save_artifacts, every_rank=save_rng_states,
+                                     async_save=self.cfg.train.async_save)
+
+    def _on_nonfinite(self, step: int, batch: int, metrics: Any, reporter: Reporter) -> int:
+        """Apply ``train.on_nonfinite`` to a step whose loss or gradients were NaN/Inf; returns the
+        step to continue from."""
+        policy = self.cfg.train.on_nonfinite
+        self.nonfinite_steps += 1
+        diag = nonfinite_diagnostic(step + 1, batch, metrics)
+        if policy == "skip":
+            reporter.print(f"skipped {diag} (train.on_nonfinite=skip; {self.nonfinite_steps} so far)")
+            reporter.log({"step": step + 1, "nonfinite_skipped": self.nonfinite_steps})
+            return step + 1
+        if policy == "rollback":
+            self.checkpoints.wait()
+            last = self.checkpoints.latest()
+            if last is None:
+                raise LoongError(f"{diag}; train.on_nonfinite=rollback found no checkpoint to return to "
+                                 "(set train.save_interval)")
+            self.batches.skip(batch)
+            resumed = self.restore(last)
+            reporter.print(f"{diag}: rolled back to {last.name} and skipping global batch {batch}")
+            reporter.log({"step": step + 1, "rollback_to": resumed, "skipped_batch": batch})
+            return resumed
+        raise LoongError(f"{diag}; stopped (train.on_nonfinite=stop). The last checkpoint is intact; "
+                         "train.on_nonfinite=skip or rollback continues past such steps")
 
     # --- loop --------------------------------------------------------------------------------
     def _any(self, flag: bool) -> bool:
@@ -128,8 +169,13 @@ class Trainer:
             task_metrics: dict[str, float] = {}  # kept until the next logged step
             with _StopFlag() as stop:
                 while step < t.steps:
-                    metrics = self.engine.train_step(step)
-                    task_metrics.update(self.task.after_train_step(step, metrics.extra))
+                    self.checkpoints.poll()
+                    batch = self.batches.batch(step)
+                    metrics = self.engine.train_step(batch)
+                    if metrics.nonfinite:
+                        step = self._on_nonfinite(step, batch, metrics, reporter)
+                        continue
+                    task_metrics.update(self.task.after_train_step(batch, metrics.extra))
                     step += 1
                     if not math.isnan(metrics.loss):
                         first_loss = metrics.loss if first_loss is None else first_loss
@@ -169,6 +215,7 @@ class Trainer:
                     reporter.log({"step": step, "eval_loss": eval_loss})
                 if t.save_final or step < t.steps:  # a run stopped early always saves
                     last_ckpt = self.save(step, last_loss)
+                self.checkpoints.wait()
             hf_dir = None
             if t.save_hf and not interrupted:
                 hf_dir = self.task.export(self.engine.model_chunks, self.run_dir / "hf")
