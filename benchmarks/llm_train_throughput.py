@@ -27,17 +27,18 @@ from _env import host, versions  # benchmarks/_env.py (run as scripts from the r
 RESULTS = Path(__file__).parent / "results"
 
 
-def _loong(args: argparse.Namespace, out: Path) -> dict:
+def _loong(args: argparse.Namespace, out: Path, overrides: tuple[str, ...] = (), run_name: str = "loong") -> dict:
+    """One ``loong-llm train`` run in its own process; medians over the steps after ``args.warmup``."""
     cmd = [sys.executable, "-m", "loong.llm.cli", "train", f"model={args.preset}",
            f"train.seq_length={args.seq}", f"train.micro_batch_size={args.mbs}",
            f"train.global_batch_size={args.gbs}", f"train.steps={args.steps}", "train.eval_iters=0",
            "train.eval_interval=0", "train.progress=false", "train.save_final=false", "train.lr=3e-4",
-           "train.min_lr=3e-5", "train.warmup_steps=5", f"output_dir={out}", "run_name=loong"]
+           "train.min_lr=3e-5", "train.warmup_steps=5", f"output_dir={out}", f"run_name={run_name}", *overrides]
     t0 = time.time()
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode:
         return {"error": proc.stderr[-3000:], "command": " ".join(cmd)}
-    recs = [json.loads(x) for x in (out / "loong" / "metrics.jsonl").read_text().splitlines()]
+    recs = [json.loads(x) for x in (out / run_name / "metrics.jsonl").read_text().splitlines()]
     recs = [r for r in recs if "train_loss" in r][args.warmup:]
     return {
         "command": "loong-llm " + " ".join(cmd[3:]),

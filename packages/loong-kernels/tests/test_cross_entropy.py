@@ -103,7 +103,7 @@ def test_bad_inputs(interpret):
     with pytest.raises(ValueError, match="int64/int32"):
         _triton(h, w, labels.float())
     with pytest.raises(ValueError, match="reduction"):
-        _triton(h, w, labels, reduction="none")
+        _triton(h, w, labels, reduction="max")
     with pytest.raises(KernelUnsupportedError, match="hidden is torch.bfloat16 but weight"):
         _triton(h.bfloat16(), w, labels)
     with pytest.raises(ValueError, match="chunk_size"):
@@ -127,3 +127,60 @@ def test_second_backward_is_refused(interpret):
     loss.backward(retain_graph=True)
     with pytest.raises(RuntimeError, match="backward ran twice"):
         loss.backward()
+
+
+def _token_weights(labels, kind, seed=3):
+    """Incoming per-token gradients: equal on counted tokens (a masked mean), or not (a loss mask the
+    labels do not carry, or arbitrary weights)."""
+    g = torch.Generator().manual_seed(seed)
+    if kind == "equal":  # ignored tokens may carry any value
+        return torch.where(labels == -100, torch.rand(labels.shape, generator=g), 1 / 7)
+    if kind == "masked":
+        return (torch.rand(labels.shape, generator=g) < 0.6).float() / 5
+    return torch.rand(labels.shape, generator=g)
+
+
+@pytest.mark.parametrize("kind", ["equal", "masked", "random"])
+@pytest.mark.parametrize("z_loss", [0.0, 1e-2])
+@pytest.mark.parametrize("chunk_size", [None, 8])
+def test_per_token_losses_fp32(interpret, check, monkeypatch, kind, z_loss, chunk_size):
+    """reduction="none": per-token losses, and exact gradients for equal (scaled) and unequal (recomputed)
+    per-token weights."""
+    import loong.kernels.cross_entropy as ce
+
+    walks = []
+    chunks = ce._chunks
+    monkeypatch.setattr(ce, "_chunks", lambda *a, **k: walks.append(1) or chunks(*a, **k))
+    h, w, labels = _problem()
+    weights = _token_weights(labels, kind)
+    lk = _triton(h, w, labels, z_loss=z_loss, reduction="none", chunk_size=chunk_size)
+    lr = fused_linear_cross_entropy_reference(h, w, labels, z_loss=z_loss, reduction="none")
+    assert lk.shape == labels.shape and lk.dtype == torch.float32
+    assert check.rel_err(lk, lr) < 1e-6 and not lk[labels == -100].any()
+    gk = torch.autograd.grad((lk * weights).sum(), (h, w))
+    gr = torch.autograd.grad((lr * weights).sum(), (h, w))
+    for a, b in zip(gk, gr, strict=True):
+        assert a.dtype == b.dtype and a.shape == b.shape
+        assert check.rel_err(a, b) < 1e-5
+    assert len(walks) == (1 if kind == "equal" else 2)  # equal weights: no recomputation
+
+
+def test_per_token_losses_bf16_and_frozen_weight(interpret, check):
+    h, w, labels = _problem(dtype=torch.bfloat16, vocab=900)
+    weights = _token_weights(labels, "masked")
+    gk = torch.autograd.grad((_triton(h, w, labels, reduction="none", chunk_size=8) * weights).sum(), (h, w))
+    gr = torch.autograd.grad((fused_linear_cross_entropy_reference(h, w, labels, reduction="none") * weights).sum(),
+                             (h, w))
+    h64, w64 = (t.detach().double().requires_grad_() for t in (h, w))
+    ge = torch.autograd.grad((fused_linear_cross_entropy_reference(h64, w64, labels, reduction="none")
+                              * weights.double()).sum(), (h64, w64))
+    for a, r, e in zip(gk, gr, ge, strict=True):
+        assert a.dtype == torch.bfloat16
+        check.no_worse(a, r, e)
+    # frozen weight (LoRA): only the hidden gradient, row-scaled, nothing to recompute
+    h32, w32, labels = _problem(lead=(9,), vocab=200)
+    weights = _token_weights(labels, "random")
+    (gh,) = torch.autograd.grad((_triton(h32, w32.detach(), labels, reduction="none") * weights).sum(), h32)
+    (gh_ref,) = torch.autograd.grad(
+        (fused_linear_cross_entropy_reference(h32, w32.detach(), labels, reduction="none") * weights).sum(), h32)
+    assert check.rel_err(gh, gh_ref) < 1e-5

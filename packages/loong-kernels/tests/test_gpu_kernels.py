@@ -127,6 +127,28 @@ def test_fused_linear_cross_entropy(vocab):
     _no_worse(g16[1], gr[1], ge[1], slack=3.0)
 
 
+@pytest.mark.parametrize("weights", ["mean", "masked"])
+def test_fused_linear_cross_entropy_per_token(weights):
+    """reduction="none" as the models use it: [s, b] losses times a loss mask, equal (one GEMM less) or
+    unequal (weight gradient recomputed) per-token weights."""
+    s, b, h, vocab = 2048, 4, 2048, 128256
+    hid, w = _bf16(s, b, h), _bf16(vocab, h, scale=h ** -0.5)
+    labels = torch.randint(0, vocab, (s, b), device="cuda")
+    mask = torch.ones(s, b, device="cuda") / (s * b)
+    if weights == "masked":
+        mask = (torch.rand(s, b, device="cuda") < 0.6).float()
+    lk = K.fused_linear_cross_entropy(hid, w, labels, reduction="none", backend="triton")
+    gk = torch.autograd.grad((lk * mask).sum(), (hid, w))
+    lr = K.fused_linear_cross_entropy_reference(hid, w, labels, reduction="none")
+    gr = torch.autograd.grad((lr * mask).sum(), (hid, w))
+    h32, w32 = hid.detach().float().requires_grad_(), w.detach().float().requires_grad_()
+    le = K.fused_linear_cross_entropy_reference(h32, w32, labels, reduction="none")
+    ge = torch.autograd.grad((le * mask).sum(), (h32, w32))
+    assert lk.shape == (s, b) and _rel(lk, le) <= 2 * _rel(lr, le) + 1e-4
+    for a, r, e in zip(gk, gr, ge, strict=True):
+        _no_worse(a, r, e)
+
+
 @pytest.mark.parametrize("kind", ["tensorwise", "rowwise", "1x128", "128x128"])
 def test_fp8_bit_exact_and_scaled_mm(kind):
     x = _bf16(8192, 4096, scale=3.0, grad=False)

@@ -141,3 +141,82 @@ def test_lora_trains_in_bf16_on_gpu_and_exports_merged(tiny_llama_hf: Path, tmp_
     base = AutoModelForCausalLM.from_pretrained(tiny_llama_hf)
     w = "model.layers.0.self_attn.q_proj.weight"
     assert not torch.equal(merged.state_dict()[w].float(), base.state_dict()[w].float())  # adapters merged
+
+
+def _fused_trio(acc, layout, cfg):  # noqa: ANN001, ANN202
+    """(unfused bf16, fused bf16, unfused fp32 oracle) with the same (bf16-representable) weights."""
+    from loong.core.config.schema import ParallelConfig
+    from loong.core.state import gather_full_state, load_full_state
+    from loong.llm.models import build
+    from loong.llm.models.fused import FusedKernels
+
+    def make(dtype, fused):  # noqa: ANN001, ANN202
+        tc = build.transformer_config(cfg, ParallelConfig(), dtype, acc.megatron_config_overrides())
+        model = build.build_gpt_model(cfg, tc, acc.capabilities(), True, True, layout.pg_collection,
+                                      fused_kernels=fused).cuda()
+        return model.bfloat16() if dtype == torch.bfloat16 else model  # as megatron's Float16Module casts
+
+    plain, fused, oracle = (make(torch.bfloat16, FusedKernels()), make(torch.bfloat16, FusedKernels.everything("triton")),
+                            make(torch.float32, FusedKernels()))
+    state = gather_full_state([plain])
+    g = torch.Generator().manual_seed(3)
+    for k, t in state.items():
+        if "norm" in k:  # norms away from 1, so every norm matters
+            t.copy_(1.0 + 0.2 * torch.randn(t.shape, generator=g))
+    for m in (plain, fused, oracle):
+        load_full_state([m], state)
+    return plain, fused, oracle
+
+
+def _rel_norm(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.detach().double(), b.detach().double()
+    return float((a - b).norm() / b.norm())
+
+
+def test_fused_kernels_match_unfused_in_bf16_on_gpu(cuda_layout) -> None:  # noqa: ANN001
+    """llama3_2_1b's layer and vocabulary shapes (2 layers), packed positions and an SFT-like loss mask:
+    the fused model's logits, losses and gradients are as close to an fp32 oracle as the unfused bf16 model's."""
+    from loong.llm.models.config import DenseModelConfig, RopeScaling
+
+    acc, layout = cuda_layout
+    torch.backends.cuda.matmul.allow_tf32 = False
+    cfg = DenseModelConfig(num_layers=2, hidden_size=2048, ffn_hidden_size=8192, num_attention_heads=32,
+                           num_query_groups=8, head_dim=64, vocab_size=128256, max_position_embeddings=131072,
+                           rope_theta=500000.0, rope_scaling=RopeScaling(factor=32.0), tie_word_embeddings=True)
+    plain, fused, oracle = _fused_trio(acc, layout, cfg)
+    b, s = 2, 2048
+    tokens = torch.randint(0, cfg.vocab_size, (b, s), device="cuda")
+    labels = torch.randint(0, cfg.vocab_size, (b, s), device="cuda")
+    pos = torch.arange(s, device="cuda").expand(b, -1).clone()
+    pos[1, 700:] -= 700  # a second packed document
+    with torch.no_grad():
+        lo, lp, lf = (m(tokens, pos, None).float() for m in (oracle, plain, fused))
+    assert _rel_norm(lf, lo) <= 1.5 * _rel_norm(lp, lo) + 1e-4
+    mask = (torch.rand(b, s, device="cuda") < 0.6).float()
+    for weights in (torch.ones_like(mask) / mask.numel(), mask):  # pretraining's mean; SFT's masked sum
+        out = []
+        for m in (oracle, plain, fused):
+            m.zero_grad(set_to_none=True)
+            losses = m(tokens, pos, None, labels=labels)
+            (losses.float() * weights).sum().backward()
+            out.append((losses.detach().float(), {n: p.grad.float() for n, p in m.named_parameters()}))
+        (eo, go), (ep, gp), (ef, gf) = out
+        assert ef.shape == (b, s) and _rel_norm(ef, eo) <= 1.5 * _rel_norm(ep, eo) + 1e-4
+        for name in go:
+            assert _rel_norm(gf[name], go[name]) <= 1.5 * _rel_norm(gp[name], go[name]) + 1e-3, name
+
+
+def test_fused_and_unfused_training_agree_on_gpu(tmp_path: Path) -> None:
+    """A few steps of the tiny preset with fused_kernels=on and off: the same loss curve to bf16 noise."""
+    from loong.llm.cli import main
+
+    curves = {}
+    for mode in ("on", "off"):
+        code = main(["train", "train.steps=20", "train.progress=false", f"output_dir={tmp_path}", f"run_name={mode}",
+                     "train.eval_interval=0", "train.eval_iters=0", "train.save_final=false",
+                     f"model.fused_kernels={mode}"])
+        assert code == 0
+        curves[mode] = _train_losses(tmp_path / mode)
+    on, off = curves["on"], curves["off"]
+    assert abs(on[0] - off[0]) <= 0.01 * off[0]
+    assert abs(on[-1] - off[-1]) <= 0.05 * off[-1] and on[-1] < 0.9 * on[0]

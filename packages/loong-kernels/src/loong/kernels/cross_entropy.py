@@ -18,6 +18,13 @@ run it again). Chunks are large by default (about 1 GiB of logits) because the `
 accumulation reads and writes ``V x H`` once per chunk: with small chunks that traffic, not the matrix
 products, sets the time.
 
+``reduction="none"`` returns the per-token losses, which megatron-core's models hand to the task's loss
+function (``losses * loss_mask``). The gradients are still made in forward, for an incoming gradient of 1 per
+token; backward scales each row of the hidden gradient by its token's incoming gradient (exact for any
+weights), and the weight gradient by the common value when every counted token has the same one (a plain
+mean or sum over them: one host sync to check). Otherwise it recomputes the weight gradient with the
+per-token weights (one more logits GEMM per chunk), so the result is exact either way.
+
 Vocabulary-parallel (tensor-parallel) logits are not handled: the log-sum-exp would need an all-reduce
 across ranks. Use it with the output layer unsharded (TP = 1) or fall back to the reference.
 """
@@ -36,14 +43,14 @@ try:
 except ImportError:  # pragma: no cover
     tl = None
 
-Reduction = Literal["mean", "sum"]
+Reduction = Literal["mean", "sum", "none"]
 LOGITS_BUDGET_BYTES = 1 << 30  # default chunk: about this many bytes of logits at a time
 _BLOCK_V = 4096
 
 
 @kernel
-def _ce_rows(LOGITS, LABELS, LOSS, SCALE, n_cols, stride_l, ignore_index, z_loss, WRITE_GRAD: tl.constexpr,
-             BLOCK_V: tl.constexpr):
+def _ce_rows(LOGITS, LABELS, LOSS, SCALE, stride_scale, n_cols, stride_l, ignore_index, z_loss,
+             WRITE_GRAD: tl.constexpr, BLOCK_V: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     ptr = LOGITS + row * stride_l
     label = tl.load(LABELS + row)
@@ -64,7 +71,8 @@ def _ce_rows(LOGITS, LABELS, LOSS, SCALE, n_cols, stride_l, ignore_index, z_loss
     tl.store(LOSS + row, tl.where(valid, loss, 0.0))
     if WRITE_GRAD:
         # d/dx [lse + z lse^2 - x_label] = softmax * (1 + 2 z lse) - onehot; ignored rows get zeros
-        scale = tl.load(SCALE) * tl.where(valid, 1.0, 0.0)
+        # SCALE is one value (stride 0) or one per row (the per-token weights of reduction="none")
+        scale = tl.load(SCALE + row * stride_scale).to(tl.float32) * tl.where(valid, 1.0, 0.0)
         pscale = (1.0 + 2.0 * z_loss * lse) * scale
         for off in range(0, n_cols, BLOCK_V):
             cols = off + tl.arange(0, BLOCK_V)
@@ -81,6 +89,16 @@ def _scale_cast(SRC, DST, G, n, BLOCK: tl.constexpr):
     mask = offs < n
     g = tl.load(G).to(tl.float32)
     tl.store(DST + offs, (tl.load(SRC + offs, mask=mask, other=0.0) * g).to(DST.dtype.element_ty), mask=mask)
+
+
+@kernel
+def _scale_rows(X, G, n, n_cols, BLOCK: tl.constexpr):
+    """``X[i, :] *= G[i]`` in fp32, in place: the per-token incoming gradient on the hidden gradient."""
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    g = tl.load(G + offs // n_cols, mask=mask, other=0.0).to(tl.float32)
+    x = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(X + offs, (x * g).to(X.dtype.element_ty), mask=mask)
 
 
 def _accumulate(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor, first: bool) -> None:
@@ -103,6 +121,44 @@ def _chunk_rows(n_tokens: int, vocab: int, itemsize: int, chunk_size: int | None
     return min(rows, max(n_tokens, 1))
 
 
+def _chunks(h2: torch.Tensor, weight: torch.Tensor, lab: torch.Tensor, losses: torch.Tensor, scale: torch.Tensor,
+            ignore_index: int, z_loss: float, chunk_size: int | None, dh: torch.Tensor | None,
+            dw: torch.Tensor | None, write_grad: bool, per_row: bool = False) -> None:
+    """The chunk walk: logits GEMM, the row kernel (loss, and the logit gradient in place), then the hidden
+    gradient into ``dh`` and the weight gradient accumulated into ``dw`` (either may be None).
+
+    ``scale`` is ``[1]``, one factor for every row, or with ``per_row`` ``[n]``, one per row.
+    """
+    n, vocab = h2.shape[0], weight.shape[0]
+    rows = _chunk_rows(n, vocab, h2.element_size(), chunk_size)
+    logits_buf = torch.empty((min(rows, n), vocab), dtype=h2.dtype, device=h2.device) if n else None
+    warps = 8 if h2.is_cuda else 4
+    for i, start in enumerate(range(0, n, rows)):
+        end = min(start + rows, n)
+        hc = h2[start:end]
+        lg = logits_buf[: end - start]
+        torch.mm(hc, weight.t(), out=lg)
+        sc = scale[start:end] if per_row else scale
+        _ce_rows[(end - start,)](lg, lab[start:end], losses[start:end], sc, 1 if per_row else 0, vocab,
+                                 lg.stride(0), ignore_index, z_loss, WRITE_GRAD=write_grad, BLOCK_V=_BLOCK_V,
+                                 num_warps=warps)
+        if dh is not None:
+            torch.mm(lg, weight, out=dh[start:end])
+        if dw is not None:
+            _accumulate(dw, lg.t(), hc, first=i == 0)
+    if dw is not None and n == 0:
+        dw.zero_()
+
+
+def _scaled_weight_grad(dw: torch.Tensor, g: torch.Tensor, wdtype: torch.dtype) -> torch.Tensor:
+    """``dw * g`` (``g`` a one-element device tensor) in ``wdtype``; in place when ``dw`` already has it."""
+    out = dw if dw.dtype == wdtype else torch.empty(dw.shape, dtype=wdtype, device=dw.device)
+    if dw.numel():
+        block = 4096
+        _scale_cast[(cdiv(dw.numel(), block),)](dw, out, g, dw.numel(), BLOCK=block, num_warps=8)
+    return out
+
+
 class _FusedLinearCEFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, labels, ignore_index, z_loss, reduction, chunk_size, fp32_accumulate, need_dh,
@@ -121,36 +177,22 @@ class _FusedLinearCEFn(torch.autograd.Function):
                              f"ignore_index={ignore_index}")
         if reduction == "mean":
             scale = 1.0 / valid.sum().clamp(min=1).to(torch.float32)  # stays on the device: no sync
-        else:
+        else:  # "sum", and "none" (gradients for an incoming gradient of 1 per token, rescaled in backward)
             scale = torch.ones((), dtype=torch.float32, device=dev)
         scale = scale.reshape(1)
         losses = torch.empty(n, dtype=torch.float32, device=dev)
-        need_grad = need_dh or need_dw
         dh = torch.empty_like(h2) if need_dh else None
         acc_dtype = torch.float32 if fp32_accumulate else weight.dtype
         dw = torch.empty((vocab, hid), dtype=acc_dtype, device=dev) if need_dw else None
-        rows = _chunk_rows(n, vocab, h2.element_size(), chunk_size)
-        logits_buf = torch.empty((min(rows, n), vocab), dtype=h2.dtype, device=dev) if n else None
-        warps = 8 if h2.is_cuda else 4
-        for i, start in enumerate(range(0, n, rows)):
-            end = min(start + rows, n)
-            hc = h2[start:end]
-            lg = logits_buf[: end - start]
-            torch.mm(hc, weight.t(), out=lg)
-            _ce_rows[(end - start,)](lg, lab[start:end], losses[start:end], scale, vocab, lg.stride(0),
-                                     ignore_index, z_loss, WRITE_GRAD=need_grad, BLOCK_V=_BLOCK_V,
-                                     num_warps=warps)
-            if need_dh:
-                torch.mm(lg, weight, out=dh[start:end])
-            if need_dw:
-                _accumulate(dw, lg.t(), hc, first=i == 0)
-        if need_dw and n == 0:
-            dw.zero_()
-        loss = (losses.sum() * scale[0]) if n else torch.zeros((), dtype=torch.float32, device=dev)
+        _chunks(h2, weight, lab, losses, scale, ignore_index, z_loss, chunk_size, dh, dw, need_dh or need_dw)
         # the buffers, not saved tensors: backward scales them in place and hands them out as the gradients
         ctx.grads = (dh, dw)
-        ctx.shape, ctx.wdtype = hidden.shape, weight.dtype
-        return loss
+        ctx.shape, ctx.wdtype, ctx.reduction = hidden.shape, weight.dtype, reduction
+        if reduction == "none":
+            # for the weight gradient under unequal per-token weights (recomputed in backward)
+            ctx.recompute = (h2, weight, lab, valid, ignore_index, z_loss, chunk_size, acc_dtype) if need_dw else None
+            return losses.view(labels.shape)
+        return (losses.sum() * scale[0]) if n else torch.zeros((), dtype=torch.float32, device=dev)
 
     @staticmethod
     def backward(ctx, g):
@@ -159,6 +201,9 @@ class _FusedLinearCEFn(torch.autograd.Function):
                                "forward and handed out once (do not retain this graph for a second backward)")
         dh, dw = ctx.grads
         ctx.grads = None
+        if ctx.reduction == "none":
+            grad_h, grad_w = _FusedLinearCEFn._per_token_backward(ctx, dh, dw, g)
+            return grad_h, grad_w, None, None, None, None, None, None, None, None
         g = g.to(torch.float32).reshape(1)
         grad_h = grad_w = None
         block = 4096
@@ -168,10 +213,34 @@ class _FusedLinearCEFn(torch.autograd.Function):
             grad_h = dh.view(ctx.shape)
         if dw is not None:
             # fp32 accumulator -> a new tensor in the weight's dtype; same dtype -> scaled in place
-            grad_w = dw if dw.dtype == ctx.wdtype else torch.empty(dw.shape, dtype=ctx.wdtype, device=dw.device)
-            if dw.numel():
-                _scale_cast[(cdiv(dw.numel(), block),)](dw, grad_w, g, dw.numel(), BLOCK=block, num_warps=8)
+            grad_w = _scaled_weight_grad(dw, g, ctx.wdtype)
         return grad_h, grad_w, None, None, None, None, None, None, None, None
+
+    @staticmethod
+    def _per_token_backward(ctx, dh, dw, g):
+        g = g.reshape(-1).to(torch.float32).contiguous()
+        grad_h = grad_w = None
+        if dh is not None:
+            if dh.numel():
+                block = 4096
+                _scale_rows[(cdiv(dh.numel(), block),)](dh, g, dh.numel(), dh.shape[1], BLOCK=block, num_warps=8)
+            grad_h = dh.view(ctx.shape)
+        if dw is not None:
+            h2, weight, lab, valid, ignore_index, z_loss, chunk_size, acc_dtype = ctx.recompute
+            ctx.recompute = None
+            inf = torch.full((), float("inf"), device=g.device)
+            hi = torch.where(valid, g, -inf).amax() if g.numel() else -inf
+            lo = torch.where(valid, g, inf).amin() if g.numel() else inf
+            counted = valid.any()
+            if bool((lo == hi) | ~counted):  # the one host sync of backward
+                # every counted token has the same weight: the forward's weight gradient, scaled once
+                grad_w = _scaled_weight_grad(dw, torch.where(counted, hi, 0.0).reshape(1), ctx.wdtype)
+            else:
+                # unequal weights (e.g. a loss mask the labels do not carry): redo the chunk walk with them
+                scratch = torch.empty(h2.shape[0], dtype=torch.float32, device=h2.device)
+                _chunks(h2, weight, lab, scratch, g, ignore_index, z_loss, chunk_size, None, dw, True, per_row=True)
+                grad_w = dw if dw.dtype == ctx.wdtype else dw.to(ctx.wdtype)
+        return grad_h, grad_w
 
 
 def _check(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, reduction: str) -> None:
@@ -183,8 +252,8 @@ def _check(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, red
                          f"dimensions {tuple(hidden.shape[:-1])} (megatron: pass labels.t() for [s, b, h] hidden)")
     if labels.dtype not in (torch.int64, torch.int32):
         raise ValueError(f"fused_linear_cross_entropy: labels must be int64/int32, got {labels.dtype}")
-    if reduction not in ("mean", "sum"):
-        raise ValueError(f"fused_linear_cross_entropy: reduction must be 'mean' or 'sum', got {reduction!r}")
+    if reduction not in ("mean", "sum", "none"):
+        raise ValueError(f"fused_linear_cross_entropy: reduction must be 'mean', 'sum' or 'none', got {reduction!r}")
 
 
 def fused_linear_cross_entropy_reference(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
@@ -196,8 +265,13 @@ def fused_linear_cross_entropy_reference(hidden: torch.Tensor, weight: torch.Ten
     _check(hidden, weight, labels, reduction)
     logits = (hidden.reshape(-1, hidden.shape[-1]) @ weight.t()).float()
     lab = labels.reshape(-1).long()
-    total = F.cross_entropy(logits, lab, ignore_index=ignore_index, reduction="sum")
     valid = lab != ignore_index
+    if reduction == "none":  # per token, 0 where ignored (as F.cross_entropy gives)
+        losses = F.cross_entropy(logits, lab, ignore_index=ignore_index, reduction="none")
+        if z_loss:
+            losses = losses + z_loss * torch.logsumexp(logits, dim=-1).square() * valid
+        return losses.view(labels.shape)
+    total = F.cross_entropy(logits, lab, ignore_index=ignore_index, reduction="sum")
     if z_loss:
         lse = torch.logsumexp(logits, dim=-1)
         total = total + z_loss * (lse.square() * valid).sum()
@@ -235,16 +309,20 @@ def fused_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, label
             ``labels.t()``).
         ignore_index: label of tokens that carry no loss.
         z_loss: coefficient of the ``lse^2`` auxiliary loss (PaLM's z-loss); 0 disables it.
-        reduction: ``"mean"`` or ``"sum"``.
+        reduction: ``"mean"``, ``"sum"``, or ``"none"`` for the per-token losses (fp32, ``labels``' shape, 0
+            where ignored), as megatron-core's models return them to a masked loss function.
         chunk_size: tokens per chunk; default about 1 GiB of logits (4096 tokens at V = 128K in bf16).
         fp32_accumulate: accumulate the weight gradient across chunks in fp32 (``4 V H`` bytes, then
             cast); False accumulates in the weight's dtype (``2 V H`` bytes for bf16, one rounding per chunk).
         backend: ``"auto"``, ``"triton"`` or ``"reference"``.
 
     Returns:
-        A 0-dim fp32 loss. Backward (once) gives ``hidden`` and ``weight`` gradients in their dtypes. Both are
-        computed during forward, so between forward and backward the call holds the weight-gradient
-        accumulator and a ``hidden``-sized buffer.
+        A 0-dim fp32 loss (``[...]`` per-token losses with ``"none"``). Backward (once) gives ``hidden`` and
+        ``weight`` gradients in their dtypes. Both are computed during forward, so between forward and
+        backward the call holds the weight-gradient accumulator and a ``hidden``-sized buffer. With
+        ``"none"``, a weight gradient whose incoming per-token gradients differ between counted tokens is
+        recomputed in backward (exact, one more logits GEMM); equal ones (a mean or sum over the counted
+        tokens) only scale the forward's.
     """
     _check(hidden, weight, labels, reduction)
     if not use_triton(backend, "fused_linear_cross_entropy", (hidden, weight, labels), _why_not(hidden, weight)):

@@ -43,6 +43,7 @@ def model_config_from_hf(path: str | Path, keep: DenseModelConfig | None = None)
     if keep is not None:
         cfg.init_from_hf = keep.init_from_hf
         cfg.init_std = keep.init_std
+        cfg.fused_kernels = keep.fused_kernels
         cfg.lora = keep.lora
     return cfg
 

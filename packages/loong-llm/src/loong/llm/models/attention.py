@@ -1,9 +1,13 @@
-"""Memory-efficient core attention for megatron-core layer specs when Transformer Engine is absent.
+"""Attention modules for megatron-core layer specs when Transformer Engine is absent.
 
-megatron-core's local ``DotProductAttention`` materialises the full [b, heads, s, s] score matrix;
-this module computes the same causal attention through ``torch.nn.functional.scaled_dot_product_attention``
-(flash / memory-efficient kernels on GPU, a fused kernel on CPU) with the same constructor and
-forward signature, so it drops into ``SelfAttentionSubmodules.core_attention``.
+- :class:`SDPAttention`: megatron-core's local ``DotProductAttention`` materialises the full
+  [b, heads, s, s] score matrix; this computes the same causal attention through
+  ``torch.nn.functional.scaled_dot_product_attention`` (flash / memory-efficient kernels on GPU, a fused
+  kernel on CPU) with the same constructor and forward signature, so it drops into
+  ``SelfAttentionSubmodules.core_attention``.
+- :class:`FusedRoPESelfAttention`: megatron-core's ``SelfAttention`` with the rotary embedding applied to
+  q and k by loong-kernels' ``apply_rope`` (one kernel for each, reading q/k straight from the split QKV
+  projection) instead of megatron's unfused ``t * cos + rotate_half(t) * sin``.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from megatron.core.transformer.attention import SelfAttention
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
@@ -70,3 +75,65 @@ class SDPAttention(MegatronModule):
         )
         s, b = query.shape[0], query.shape[1]
         return out.permute(2, 0, 1, 3).reshape(s, b, -1)
+
+
+def rope_tables(emb: torch.Tensor, interleaved: bool, mscale: float | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Half-width ``cos, sin`` ``[s, b|1, r]`` (fp32) from megatron's rotary tensor ``emb [s, b|1, 1, 2r]``.
+
+    ``emb`` is ``cat(freqs, freqs)`` (``stack(...).flatten`` when interleaved), so the first half (every other
+    channel) holds each frequency once; megatron multiplies cos and sin by YaRN's ``mscale``.
+    """
+    freqs = emb.squeeze(2)
+    freqs = freqs[..., 0::2] if interleaved else freqs[..., : freqs.shape[-1] // 2]
+    cos, sin = freqs.cos(), freqs.sin()
+    if mscale is not None and mscale != 1.0:
+        cos, sin = cos * mscale, sin * mscale
+    return cos, sin
+
+
+class FusedRoPESelfAttention(SelfAttention):
+    """``SelfAttention`` whose q/k rotation runs through ``loong.kernels.apply_rope``.
+
+    The rotary tensor arrives exactly as megatron passes it (so activation recompute and pipeline stages
+    see nothing new); for the length of one forward it is held here and applied right after the QKV
+    projection (and QK-norm), where megatron would apply its own. Inference contexts, packed (THD)
+    sequences, cross attention and already-split ``(q_emb, k_emb)`` pairs take megatron's path.
+    """
+
+    def __init__(self, *args: Any, rope_backend: str = "auto", **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.rope_backend = rope_backend
+        self._rope: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None, *args: Any,
+                **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
+        emb = kwargs.get("rotary_pos_emb")
+        megatron_path = (
+            args  # positional extras: not how TransformerLayer calls attention
+            or not isinstance(emb, torch.Tensor)
+            or kwargs.get("key_value_states") is not None
+            or kwargs.get("inference_context") is not None
+            or kwargs.get("inference_params") is not None
+            or kwargs.get("packed_seq_params") is not None
+            or kwargs.get("rotary_pos_cos") is not None
+        )
+        if megatron_path:
+            return super().forward(hidden_states, attention_mask, *args, **kwargs)
+        self._rope = rope_tables(emb, self.config.rotary_interleaved, self._yarn_concentration_factor)
+        try:
+            return super().forward(hidden_states, attention_mask, **{**kwargs, "rotary_pos_emb": None})
+        finally:
+            self._rope = None
+
+    def get_query_key_value_tensors(self, hidden_states: torch.Tensor, key_value_states: torch.Tensor | None = None,
+                                    output_gate: bool = False, split_qkv: bool = True) -> Any:
+        out = super().get_query_key_value_tensors(hidden_states, key_value_states, output_gate=output_gate,
+                                                  split_qkv=split_qkv)
+        if self._rope is None:
+            return out
+        from loong.kernels import apply_rope
+
+        cos, sin = self._rope
+        query, key = apply_rope(out[0], out[1], cos, sin, layout="sbhd", interleaved=self.config.rotary_interleaved,
+                                backend=self.rope_backend)
+        return (query, key, *out[2:])

@@ -4,11 +4,16 @@ Why GPTModel: megatron-core 0.19 marks GPTModel deprecated in favour of HybridMo
 stack hard-codes Transformer Engine modules (its final norm is ``TENorm``) and has no llama3 rope
 scaling, so it cannot run where TE is absent (CPU, and the H200 image here). GPTModel with our own
 layer spec is the path that runs everywhere; the checkpoint keys are the same TE-style keys either way.
+
+``model.fused_kernels`` swaps loong-kernels' fused modules into that spec (:mod:`loong.llm.models.fused`);
+the modules keep megatron's parameter names, so checkpoints and the HF mapping do not change.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
+from functools import partial
 from typing import Any
 
 import torch
@@ -19,11 +24,14 @@ from megatron.core.models.gpt.gpt_layer_specs import (
     get_gpt_layer_with_transformer_engine_spec,
 )
 from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.utils import get_pg_rank
 
 from loong.core.config.schema import ParallelConfig
-from loong.llm.models.attention import SDPAttention
+from loong.llm.models.attention import FusedRoPESelfAttention, SDPAttention
 from loong.llm.models.config import DenseModelConfig
+from loong.llm.models.fused import FusedKernels, FusedRMSNorm, FusedSwiGLU, resolve_fused_kernels
 from loong.llm.models.gpt import LoongGPTModel
 
 
@@ -77,14 +85,41 @@ def transformer_config(
     return TransformerConfig(**kwargs)
 
 
-def layer_spec(model: DenseModelConfig, capabilities: set[str]) -> ModuleSpec:
+def layer_spec(model: DenseModelConfig, capabilities: set[str], fused: FusedKernels | None = None) -> ModuleSpec:
     """Transformer Engine's layer spec when installed; otherwise megatron-core's local modules with
-    SDPA core attention (the stock local attention materialises the full score matrix)."""
+    SDPA core attention (the stock local attention materialises the full score matrix) and, per
+    ``fused``, loong-kernels' RMSNorm, SwiGLU and RoPE in place of megatron's PyTorch ones."""
     if "transformer_engine" in capabilities:
         return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=model.qk_norm)
     spec = get_gpt_layer_local_spec(qk_layernorm=model.qk_norm, normalization="RMSNorm")
-    spec.submodules.self_attention.submodules.core_attention = SDPAttention
+    layer, attn = spec.submodules, spec.submodules.self_attention
+    attn.submodules.core_attention = SDPAttention
+    fused = fused or FusedKernels()
+    if fused.norm:
+        norm = partial(FusedRMSNorm, backend=fused.backend)
+        layer.input_layernorm = layer.pre_mlp_layernorm = norm
+        if model.qk_norm:
+            attn.submodules.q_layernorm = attn.submodules.k_layernorm = norm
+    if fused.swiglu:  # megatron's MLP calls this module on the whole fc1 output (see build_gpt_model)
+        mlp = layer.mlp
+        subs = dataclasses.replace(mlp.keywords["submodules"],
+                                   activation_func=partial(FusedSwiGLU, backend=fused.backend))
+        layer.mlp = partial(mlp.func, *mlp.args, **{**mlp.keywords, "submodules": subs})
+    if fused.rope:
+        attn.module = FusedRoPESelfAttention
+        attn.params = {**attn.params, "rope_backend": fused.backend}
     return spec
+
+
+def _decoder_spec(spec: ModuleSpec, config: TransformerConfig, fused: FusedKernels, pg_collection: Any,
+                  vp_stage: int | None) -> ModuleSpec | TransformerBlockSubmodules:
+    """The layer spec, or with fused norms a block spec whose final norm is fused too (megatron's
+    block otherwise picks its own norm class for it)."""
+    if not fused.norm:
+        return spec
+    pp_rank = get_pg_rank(getattr(pg_collection, "pp", None))
+    n = get_num_layers_to_build(config, vp_stage=vp_stage, pp_rank=pp_rank)
+    return TransformerBlockSubmodules(layer_specs=[spec] * n, layer_norm=partial(FusedRMSNorm, backend=fused.backend))
 
 
 def build_gpt_model(
@@ -95,13 +130,28 @@ def build_gpt_model(
     post_process: bool,
     pg_collection: Any,
     vp_stage: int | None = None,
+    *,
+    fused_kernels: FusedKernels | None = None,
 ) -> GPTModel:
-    """One pipeline chunk of the model."""
+    """One pipeline chunk of the model.
+
+    ``fused_kernels`` overrides the plan that ``model.fused_kernels`` and ``capabilities`` resolve to
+    (:func:`~loong.llm.models.fused.resolve_fused_kernels`); tests use it to wire the fused modules with
+    the reference backend on CPU.
+    """
+    fused = fused_kernels
+    if fused is None:
+        fused = resolve_fused_kernels(model.fused_kernels, capabilities, config)
+    # megatron's MLP applies the spec's activation module to the whole fused gate-up output only under
+    # this flag (named for Transformer Engine, but it only selects MLPSubmodules.activation_func); set it
+    # both ways so a config reused for an unfused build gets megatron's own GLU back
+    config.use_te_activation_func = fused.swiglu
+    spec = _decoder_spec(layer_spec(model, capabilities, fused), config, fused, pg_collection, vp_stage)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="GPTModel IS DEPRECATED")
         gpt = LoongGPTModel(  # GPTModel whose RoPE follows position_ids (packed SFT)
             config=config,
-            transformer_layer_spec=layer_spec(model, capabilities),
+            transformer_layer_spec=spec,
             vocab_size=model.vocab_size,
             max_sequence_length=model.max_position_embeddings,
             pre_process=pre_process,
@@ -112,6 +162,7 @@ def build_gpt_model(
             rotary_base=int(model.rope_theta),
             pg_collection=pg_collection,
             vp_stage=vp_stage,
+            fused_kernels=fused,
         )
     if model.rope_scaling is not None:
         rope = gpt.rotary_pos_emb

@@ -30,7 +30,13 @@ class LoraConfig:
 
 @dataclass
 class DenseModelConfig:
-    """Shape and family switches of a dense decoder. ``family`` selects the HF mapping."""
+    """Shape and family switches of a dense decoder. ``family`` selects the HF mapping.
+
+    ``fused_kernels``: ``auto`` takes loong-kernels' fused RMSNorm, SwiGLU, RoPE and (at TP = 1) linear +
+    cross-entropy where the accelerator reports Triton, megatron-core's PyTorch modules elsewhere; ``on``
+    requires them (an error where Triton is not reported, and an unsupported input fails instead of
+    falling back); ``off`` keeps megatron-core's modules (see :mod:`loong.llm.models.fused`).
+    """
 
     family: Literal["llama", "qwen2", "qwen3"] = "llama"
     preset: str = "custom"
@@ -50,6 +56,7 @@ class DenseModelConfig:
     qk_norm: bool = False
     init_std: float = 0.02
     init_from_hf: str | None = None
+    fused_kernels: Literal["auto", "on", "off"] = "auto"
     lora: LoraConfig = field(default_factory=LoraConfig)
     extra: dict = field(default_factory=dict)
 

@@ -11,6 +11,11 @@ on ``t`` of shape ``[s, b, heads, d]``, so ``[s, b, 1, d]`` broadcasts over the 
 ``[s, 1, 1, d]`` broadcasts over batch and heads. With ``position_ids = arange(s)`` each
 frequency is the same single fp32 product as megatron's ``torch.outer``, so the logits are
 bit-identical to the stock model's.
+
+With ``fused_kernels.cross_entropy`` the training / evaluation loss skips the ``[s, b, V]`` logits: the
+output layer's GEMM and the cross-entropy run chunked in loong-kernels (:func:`~loong.llm.models.fused.fused_lm_loss`),
+returning the same fp32 per-token losses ``[b, s]``. Everything else (logits without labels, inference,
+multi-token prediction, a LoRA-wrapped or sequence-parallel output layer, MuP scaling) takes megatron's path.
 """
 
 from __future__ import annotations
@@ -18,8 +23,12 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from megatron.core.inference.utils import InferenceMode
 from megatron.core.models.common.embeddings.rope_utils import get_pos_emb_on_this_cp_rank
 from megatron.core.models.gpt import GPTModel
+from megatron.core.tensor_parallel import ColumnParallelLinear
+
+from loong.llm.models.fused import FusedKernels, fused_lm_loss
 
 
 def rotary_freqs_from_positions(rope: Any, position_ids: torch.Tensor) -> torch.Tensor:
@@ -45,7 +54,12 @@ class LoongGPTModel(GPTModel):
 
     Only the training / evaluation forward changes: with an inference context, packed THD
     sequences (``packed_seq_params``) or no position ids, megatron's own rotary table is used.
+    ``fused_kernels`` (default: none) says whether the loss takes loong-kernels' fused linear+cross-entropy.
     """
+
+    def __init__(self, *args: Any, fused_kernels: FusedKernels | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.fused_kernels = fused_kernels or FusedKernels()
 
     def _preprocess(
         self,
@@ -82,3 +96,25 @@ class LoongGPTModel(GPTModel):
                 f"position_ids give {emb.shape[0]} rotary positions but the model expects {rotary.shape[0]}"
             )
         return (out[0], emb, *out[2:])
+
+    def _fused_loss_applies(self, labels: torch.Tensor | None, kw: dict) -> bool:
+        if not (self.fused_kernels.cross_entropy and self.post_process and labels is not None):
+            return False
+        if kw.get("mtp_in_postprocess") or self.config.mtp_num_layers or kw.get("output_processor") is not None:
+            return False
+        if kw.get("inference_context") is not None or kw.get("inference_params") is not None:
+            return False
+        if getattr(self.config, "use_mup", False):  # logits are scaled before the loss
+            return False
+        out = self.output_layer
+        # exactly megatron's linear (not a LoRA subclass, whose adapters would be skipped), unsharded
+        return (type(out) is ColumnParallelLinear and not out.sequence_parallel
+                and self.config.tensor_model_parallel_size == 1 and not InferenceMode.is_active())
+
+    def _postprocess(self, hidden_states: torch.Tensor, input_ids: torch.Tensor, position_ids: torch.Tensor,
+                     labels: torch.Tensor | None, *args: Any, **kwargs: Any) -> torch.Tensor:
+        if args or not self._fused_loss_applies(labels, kwargs):
+            return super()._postprocess(hidden_states, input_ids, position_ids, labels, *args, **kwargs)
+        weight = self.shared_embedding_or_output_weight() if self.share_embeddings_and_output_weights \
+            else self.output_layer.weight
+        return fused_lm_loss(hidden_states, weight, labels, self.fused_kernels.backend)
