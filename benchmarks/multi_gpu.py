@@ -1,0 +1,169 @@
+"""Multi-GPU layouts on one host: loss agreement with one GPU, throughput, resharded resume, scaling.
+
+Run on a machine with >= 2 GPUs (``python3 benchmarks/multi_gpu.py``). Every run starts from the same
+random Hugging Face weights (written once with ``transformers``), trains on the packaged corpus with the
+same global batch, and goes through ``loong-llm train`` (``--nproc-per-node`` relaunches through
+torchrun). One-GPU runs that do not depend on each other run side by side on different GPUs.
+
+- **~1B** (``llama3_2_1b``): 1 GPU, TP=2, PP=2 with 2 virtual stages, DP=2 — the loss of every step
+  against the one-GPU run; tokens/s per GPU, MFU, peak memory.
+- **~8B-shaped** (``llama3_8b`` widths, ``--big-layers`` layers so one GPU holds it): 1 GPU and TP=2.
+- **Resharded resume:** the TP=2 run saves at step ``--save-at``; it is resumed at PP=2 and on one GPU
+  for one step, whose loss is compared with the TP=2 run's own next step.
+- **Scaling 1 → 2 GPUs** at a fixed per-GPU batch: DP=2 with twice the global batch of a one-GPU run.
+
+Prints a table and writes JSON (command, versions, GPUs, every figure) to ``benchmarks/results/``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+from _env import host, versions  # noqa: E402
+
+SHAPES = {  # HF LlamaConfig fields of the two presets (see loong/llm/configs/model/*.yaml)
+    "1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+               num_key_value_heads=8, head_dim=64, vocab_size=128256, max_position_embeddings=131072,
+               rope_theta=500000.0, rms_norm_eps=1e-5, tie_word_embeddings=True,
+               rope_scaling={"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
+                             "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}),
+    "8b": dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8,
+               vocab_size=128256, max_position_embeddings=8192, rope_theta=500000.0, rms_norm_eps=1e-5,
+               tie_word_embeddings=False),
+}
+
+
+def make_hf(shape: str, layers: int | None, out: Path) -> Path:
+    """Random bf16 weights in an HF folder (initialised on the GPU: seconds, not minutes)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    fields = dict(SHAPES[shape])
+    if layers:
+        fields["num_hidden_layers"] = layers
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = LlamaForCausalLM(LlamaConfig(**fields)).to(torch.bfloat16)
+    model.save_pretrained(out)
+    del model
+    torch.cuda.empty_cache()
+    return out
+
+
+def train(name: str, hf: Path, out: Path, args: argparse.Namespace, nproc: int, gpus: str,
+          *overrides: str) -> dict:
+    """One ``loong-llm train`` run; returns its per-step records and summary."""
+    cmd = [sys.executable, "-m", "loong.llm.cli", "train", f"--nproc-per-node={nproc}",
+           f"model.init_from_hf={hf}", f"train.seq_length={args.seq}", f"train.micro_batch_size={args.mbs}",
+           f"train.global_batch_size={args.gbs}", f"train.steps={args.steps}", "train.eval_iters=0",
+           "train.eval_interval=0", "train.save_final=false", "train.progress=false", "train.warmup_steps=5",
+           f"output_dir={out}", f"run_name={name}", *overrides]
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": gpus}
+    started = time.perf_counter()
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    wall = time.perf_counter() - started
+    if proc.returncode != 0:
+        print(f"{name}: FAILED\n{proc.stderr[-3000:]}", file=sys.stderr)
+        return {"name": name, "failed": True, "stderr_tail": proc.stderr[-3000:], "command": cmd}
+    records = [json.loads(line) for line in (out / name / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in records if "train_loss" in r]
+    timed = [r for r in steps if r["step"] > args.warmup_skip]
+    tps = sum(r["tokens_per_s"] for r in timed) / max(1, len(timed))
+    mfu = [r["mfu"] for r in timed if "mfu" in r]
+    return {"name": name, "gpus": max(1, nproc), "wall_s": round(wall, 1), "command": cmd,
+            "loss": {r["step"]: r["train_loss"] for r in steps},
+            "tokens_per_s": round(tps, 1), "tokens_per_s_per_gpu": round(tps / max(1, nproc), 1),
+            "mfu": round(sum(mfu) / len(mfu), 4) if mfu else None,
+            "peak_memory_gib": max((r.get("peak_memory_gib", 0) for r in steps), default=None)}
+
+
+def loss_gap(run: dict, ref: dict) -> float | None:
+    """Largest |loss difference| over the steps both runs logged."""
+    if run.get("failed") or ref.get("failed"):
+        return None
+    common = set(run["loss"]) & set(ref["loss"])
+    return round(max(abs(run["loss"][s] - ref["loss"][s]) for s in common), 5) if common else None
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--seq", type=int, default=2048)
+    p.add_argument("--mbs", type=int, default=2)
+    p.add_argument("--gbs", type=int, default=16)
+    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--save-at", type=int, default=15)
+    p.add_argument("--big-layers", type=int, default=4, help="layers of the ~8B-shaped model")
+    p.add_argument("--warmup-skip", type=int, default=5, help="steps left out of the throughput")
+    p.add_argument("--work", default="/tmp/loong-multi-gpu")
+    p.add_argument("--out", default=None)
+    args = p.parse_args()
+
+    import torch
+
+    work = Path(args.work)
+    work.mkdir(parents=True, exist_ok=True)
+    hf1, hf8 = make_hf("1b", None, work / "hf-1b"), make_hf("8b", args.big_layers, work / "hf-8b")
+    runs = work / "runs"
+    save = [f"train.save_interval={args.save_at}"]
+    r: dict[str, dict] = {}
+    with ThreadPoolExecutor(2) as pool:  # independent one-GPU runs side by side
+        a = pool.submit(train, "1b-1gpu", hf1, runs, args, 1, "0")
+        b = pool.submit(train, "1b-1gpu-half-batch", hf1, runs, args, 1, "1",
+                        f"train.global_batch_size={args.gbs // 2}")
+        r["1b-1gpu"], r["1b-1gpu-half-batch"] = a.result(), b.result()
+    r["1b-tp2"] = train("1b-tp2", hf1, runs, args, 2, "0,1", "parallel.tp=2", *save)
+    r["1b-pp2-vpp2"] = train("1b-pp2-vpp2", hf1, runs, args, 2, "0,1", "parallel.pp=2", "parallel.vpp=2")
+    r["1b-dp2"] = train("1b-dp2", hf1, runs, args, 2, "0,1")
+    ckpt = runs / "1b-tp2" / "checkpoints" / f"step_{args.save_at:08d}"
+    resume = [f"train.resume={ckpt}", f"train.steps={args.save_at + 1}"]
+    with ThreadPoolExecutor(2) as pool:
+        a = pool.submit(train, "1b-resume-tp2-on-1gpu", hf1, runs, args, 1, "0", *resume)
+        b = pool.submit(train, "8b-1gpu", hf8, runs, args, 1, "1")
+        r["1b-resume-tp2-on-1gpu"], r["8b-1gpu"] = a.result(), b.result()
+    r["1b-resume-tp2-at-pp2"] = train("1b-resume-tp2-at-pp2", hf1, runs, args, 2, "0,1", "parallel.pp=2",
+                                      *resume)
+    r["8b-tp2"] = train("8b-tp2", hf8, runs, args, 2, "0,1", "parallel.tp=2")
+
+    next_step = args.save_at + 1
+    tp2_next = r["1b-tp2"].get("loss", {}).get(next_step)
+    summary = {
+        "loss_gap_vs_1gpu": {k: loss_gap(r[k], r["1b-1gpu"]) for k in ("1b-tp2", "1b-pp2-vpp2", "1b-dp2")},
+        "loss_gap_8b_tp2_vs_1gpu": loss_gap(r["8b-tp2"], r["8b-1gpu"]),
+        "resharded_resume": {k: {"loss": r[k].get("loss", {}).get(next_step), "tp2_own_next": tp2_next}
+                             for k in ("1b-resume-tp2-on-1gpu", "1b-resume-tp2-at-pp2")},
+    }
+    half, dp2 = r["1b-1gpu-half-batch"], r["1b-dp2"]
+    if not half.get("failed") and not dp2.get("failed"):
+        summary["scaling_1_to_2_fixed_per_gpu_batch"] = round(dp2["tokens_per_s"] / (2 * half["tokens_per_s"]), 4)
+
+    print(f"\n{'run':28s} {'GPUs':>4s} {'tok/s/GPU':>10s} {'MFU':>7s} {'peak GiB':>9s} {'max |Δloss| vs 1 GPU':>21s}")
+    refs = {"1b": r["1b-1gpu"], "8b": r["8b-1gpu"]}
+    for name, run in r.items():
+        if run.get("failed"):
+            print(f"{name:28s} FAILED")
+            continue
+        gap = loss_gap(run, refs[name[:2]]) if "resume" not in name and "half" not in name else None
+        mfu = f"{run['mfu']:.1%}" if run["mfu"] else "-"
+        print(f"{name:28s} {run['gpus']:>4d} {run['tokens_per_s_per_gpu']:>10,.0f} {mfu:>7s} "
+              f"{run['peak_memory_gib'] or 0:>9.1f} {'-' if gap is None else f'{gap:.4f}':>21s}")
+    print(json.dumps(summary, indent=1))
+    gpu = torch.cuda.get_device_name().replace(" ", "_").lower() if torch.cuda.is_available() else "nogpu"
+    out = Path(args.out or Path(__file__).parent / "results" /
+               f"multi_gpu_{gpu}x{torch.cuda.device_count()}_{time.strftime('%Y%m%d')}.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"command": " ".join(sys.argv), "args": vars(args), "host": host(),
+                               "versions": versions(["torch", "megatron-core", "transformers", "loong-llm"]),
+                               "summary": summary, "runs": r}, indent=1))
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
