@@ -4,6 +4,7 @@ from loong.core.config.compose import compose_config, config_groups
 from loong.core.config.schema import (
     DataConfig,
     ParallelConfig,
+    PrecisionConfig,
     RunConfig,
     TrainConfig,
     from_dict,
@@ -13,6 +14,7 @@ from loong.core.config.schema import (
 __all__ = [
     "DataConfig",
     "ParallelConfig",
+    "PrecisionConfig",
     "RunConfig",
     "TrainConfig",
     "compose_config",

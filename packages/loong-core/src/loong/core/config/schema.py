@@ -98,6 +98,34 @@ class TrainConfig:
 
 
 @dataclass
+class PrecisionConfig:
+    """FP8 execution of the model's linear layers (``precision``); ``train.precision`` stays the
+    bf16/fp32 switch of everything else, and FP8 needs it to be bf16.
+
+    ``fp8``: ``off``; ``tensorwise`` / ``rowwise`` / ``blockwise`` (every eligible linear layer in that
+    recipe); ``adaptive`` (``fp8_adaptive_recipe`` only on the layers whose measured or tabulated speedup,
+    quantisation included, is at least ``fp8_adaptive_threshold``). ``fp8_probe``: on a GPU, time the
+    model's GEMM shapes once and cache them (``~/.cache/loong/fp8/<gpu>.json``); ``fp8_table``: a JSON speedup
+    table to use instead. ``fp8_exclude``: layer-name globs kept in high precision (the output layer
+    always is). See docs/fp8.md.
+    """
+
+    fp8: Literal["off", "tensorwise", "rowwise", "blockwise", "adaptive"] = "off"
+    fp8_adaptive_threshold: float = 1.1
+    fp8_adaptive_recipe: Literal["tensorwise", "rowwise", "blockwise"] = "tensorwise"
+    fp8_probe: bool = True
+    fp8_table: str | None = None
+    fp8_exclude: list[str] = field(default_factory=list)
+
+    def validate(self, path: str) -> None:
+        if self.fp8_adaptive_threshold <= 0:
+            raise LoongError(f"{path}.fp8_adaptive_threshold: must be > 0 (a speedup factor such as 1.1), "
+                             f"got {self.fp8_adaptive_threshold}")
+        if not all(isinstance(p, str) and p for p in self.fp8_exclude):
+            raise LoongError(f"{path}.fp8_exclude: expected a list of layer-name globs, got {self.fp8_exclude!r}")
+
+
+@dataclass
 class RunConfig:
     """The root of a run's config. Modalities subclass it to type ``model`` with their schema."""
 
@@ -109,6 +137,12 @@ class RunConfig:
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
+
+    def validate(self, path: str) -> None:
+        if self.precision.fp8 != "off" and self.train.precision == "fp32":
+            raise LoongError(f"precision.fp8={self.precision.fp8} needs bf16 training, but train.precision=fp32; "
+                             "set train.precision=bf16 (or auto on a GPU) or precision.fp8=off")
 
 
 def _type_name(tp: Any) -> str:

@@ -24,6 +24,7 @@ from loong.core.config.schema import RunConfig
 from loong.core.engines.base import Engine, StepMetrics
 from loong.core.errors import LoongError
 from loong.core.parallel import ParallelLayout
+from loong.core.precision import apply_fp8, check_precision
 from loong.core.registry import ENGINES
 from loong.core.state import unwrap
 from loong.core.task import Task
@@ -55,6 +56,7 @@ class MegatronEngine(Engine):
                  fresh: bool = True) -> None:
         self.task, self.cfg, self.accelerator, self.layout = task, cfg, accelerator, layout
         self.dtype = resolve_dtype(cfg.train.precision, accelerator)
+        check_precision(cfg.precision, accelerator, self.dtype)  # FP8 fails here, before any model is built
         self.num_microbatches = num_microbatches(cfg, layout.dp)
         if cfg.parallel.vpp and self.num_microbatches < cfg.parallel.pp:
             raise LoongError(
@@ -63,6 +65,11 @@ class MegatronEngine(Engine):
                 "train.global_batch_size or lower train.micro_batch_size)"
             )
         self.config = task.model_config(self.dtype)
+        if cfg.parallel.pp > 1 and cfg.parallel.vpp:
+            # Unbatched p2p for the interleaved schedule, as Megatron-LM's default (it batches only
+            # without p2p overlap). Batched p2p mis-pairs messages when both pipeline neighbours are
+            # the same rank (PP=2): seen on gloo, and on two H200s as a PP=2×VPP=2 run that did not learn.
+            self.config.batch_p2p_comm = False
         device = accelerator.device(layout.local_rank)
         vpp = cfg.parallel.vpp or 1
         chunks = []
@@ -73,6 +80,7 @@ class MegatronEngine(Engine):
             chunks.append(task.build_model(self.config, pre, post, stage).to(device))
         if fresh:
             task.init_weights(chunks)  # before DDP/optimiser so fp32 main params see the weights
+        apply_fp8(chunks, cfg, accelerator, layout.local_rank, print if layout.is_logging_rank else None)
         if self.dtype != torch.float32:
             chunks = [Float16Module(self.config, c) for c in chunks]
         t = cfg.train
