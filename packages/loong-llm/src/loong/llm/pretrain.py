@@ -37,9 +37,7 @@ class PretrainTask(Task):
             # The folder defines the model's shape, as with from_pretrained.
             cfg.model = hf.model_config_from_hf(cfg.model.init_from_hf, keep=cfg.model)
         p, m = cfg.parallel, cfg.model
-        check_model_layout(m, p.tp, p.pp * (p.vpp or 1), cfg.train.seq_length)
-        if p.ep > 1:
-            raise LoongError(f"parallel.ep={p.ep}: dense models have no experts (expert parallelism is for MoE)")
+        check_model_layout(m, p.tp, p.pp * (p.vpp or 1), cfg.train.seq_length, ep=p.ep, etp=p.etp)
         if m.vocab_size % p.tp:
             raise LoongError(f"parallel.tp={p.tp} does not divide model.vocab_size={m.vocab_size}")
         if uses_indexed_data(cfg.data):  # preprocessed shards: the blend and its files
@@ -48,16 +46,14 @@ class PretrainTask(Task):
             raise LoongError(f"data.path: {cfg.data.path} does not exist")
         from loong.llm.lora import check_lora_config
 
-        check_lora_config(m.lora, sequence_parallel=p.sequence_parallel and p.tp > 1)
+        if m.is_moe and m.lora.rank > 0:
+            raise LoongError("model.lora on a mixture-of-experts model is not supported yet (the experts' "
+                             "linear layers are not wrapped); set model.lora.rank=0")
+        check_lora_config(m.lora, sequence_parallel=(p.sequence_parallel or m.is_moe) and p.tp > 1)
 
     # --- model -----------------------------------------------------------------------------
     def model_config(self, dtype: torch.dtype) -> Any:
         p = self.cfg.parallel
-        if p.sequence_parallel and p.tp > 1 and "transformer_engine" not in self.accelerator.capabilities():
-            raise LoongError(
-                "parallel.sequence_parallel=true needs Transformer Engine (megatron-core's torch norms "
-                "do not support it); install loong-core[te] or set parallel.sequence_parallel=false"
-            )
         if p.cp > 1 and "transformer_engine" not in self.accelerator.capabilities():
             raise LoongError(
                 f"parallel.cp={p.cp} (context parallelism) needs Transformer Engine's attention; "
@@ -76,6 +72,31 @@ class PretrainTask(Task):
 
             apply_lora([gpt], self.cfg.model.lora, seed=self.cfg.train.seed)
         return gpt
+
+    def after_train_step(self, step: int, extra: dict[str, float]) -> dict[str, float]:
+        """MoE: the step's load-balancing loss (megatron's ``load_balancing_loss``: per MoE layer, summed over
+        micro-batches, then averaged over the micro-batches, the MoE layers and data parallelism), unweighted
+        by ``moe_aux_loss_coeff``. Its gradient already reached the router through ``MoEAuxLossAutoScaler``
+        (the pipeline schedule sets its scale); the logged ``loss`` stays the language-model loss."""
+        m = self.cfg.model
+        if not m.is_moe or m.moe_aux_loss_coeff <= 0:
+            return {}
+        from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
+
+        tracker = get_moe_metrics_tracker()
+        name = "load_balancing_loss"
+        tracker.ensure_initialized(name, m.num_layers, device=self.accelerator.device(self.layout.local_rank))
+        totals: dict = {}
+        tracker.report(loss_scale=1.0 / self.num_train_microbatches(step, self._num_microbatches()), iteration=step,
+                       track_names=[name], num_layers=m.num_layers, total_loss_dict=totals,
+                       pg_collection=self.layout.pg_collection)
+        value = totals.get(name)
+        return {} if value is None else {"moe_aux_loss": float(value)}
+
+    def _num_microbatches(self) -> int:
+        from loong.core.engines.megatron import num_microbatches
+
+        return num_microbatches(self.cfg, self.layout.dp)
 
     def init_weights(self, model_chunks: list[torch.nn.Module]) -> None:
         if self.cfg.model.init_from_hf is not None:

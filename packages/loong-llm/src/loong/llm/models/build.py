@@ -33,6 +33,7 @@ from loong.llm.models.attention import FusedRoPESelfAttention, SDPAttention
 from loong.llm.models.config import DenseModelConfig
 from loong.llm.models.fused import FusedKernels, FusedRMSNorm, FusedSwiGLU, resolve_fused_kernels
 from loong.llm.models.gpt import LoongGPTModel
+from loong.llm.models.norm import SPRMSNorm
 
 
 def transformer_config(
@@ -69,7 +70,8 @@ def transformer_config(
         context_parallel_size=parallel.cp,
         expert_model_parallel_size=parallel.ep,
         expert_tensor_parallel_size=parallel.etp,
-        sequence_parallel=parallel.sequence_parallel and parallel.tp > 1,
+        # megatron's MoELayer trains with TP > 1 only under sequence parallelism: on for MoE at TP > 1
+        sequence_parallel=(parallel.sequence_parallel or model.is_moe) and parallel.tp > 1,
         params_dtype=dtype,
         pipeline_dtype=dtype,
         bf16=dtype == torch.bfloat16,
@@ -81,45 +83,92 @@ def transformer_config(
         persist_layer_norm=False,
         cross_entropy_loss_fusion=False,
     )
+    if model.is_moe:
+        kwargs.update(moe_kwargs(model))
     kwargs.update(overrides or {})
     return TransformerConfig(**kwargs)
 
 
-def layer_spec(model: DenseModelConfig, capabilities: set[str], fused: FusedKernels | None = None) -> ModuleSpec:
+def moe_kwargs(model: DenseModelConfig) -> dict[str, Any]:
+    """megatron-core's MoE settings for ``model``: softmax top-k routing (Qwen3-MoE), the load-balancing
+    aux loss, no token dropping, fp32 router, no fused permutation (it needs Transformer Engine).
+
+    Top-k then softmax over the k (``moe_router_pre_softmax=False``) is HF's softmax-then-top-k with the
+    k probabilities renormalised (``norm_topk_prob=True``); softmax then top-k (``pre_softmax=True``) is
+    ``norm_topk_prob=False``.
+    """
+    return dict(
+        num_moe_experts=model.num_experts,
+        moe_ffn_hidden_size=model.expert_ffn_hidden_size,
+        moe_router_topk=model.moe_router_topk,
+        moe_router_pre_softmax=not model.norm_topk_prob,
+        moe_router_score_function="softmax",
+        moe_router_load_balancing_type="aux_loss" if model.moe_aux_loss_coeff > 0 else "none",
+        moe_aux_loss_coeff=model.moe_aux_loss_coeff,
+        moe_router_dtype="fp32",
+        moe_token_dispatcher_type=model.moe_token_dispatcher,
+        moe_grouped_gemm=False,
+        moe_permute_fusion=False,
+    )
+
+
+def layer_spec(model: DenseModelConfig, capabilities: set[str], fused: FusedKernels | None = None,
+               sequence_parallel: bool = False) -> ModuleSpec:
     """Transformer Engine's layer spec when installed; otherwise megatron-core's local modules with
-    SDPA core attention (the stock local attention materialises the full score matrix) and, per
-    ``fused``, loong-kernels' RMSNorm, SwiGLU and RoPE in place of megatron's PyTorch ones."""
+    SDPA core attention (the stock local attention materialises the full score matrix), under
+    ``sequence_parallel`` :class:`~loong.llm.models.norm.SPRMSNorm` norms, and per ``fused``,
+    loong-kernels' RMSNorm, SwiGLU and RoPE in place of megatron's PyTorch ones."""
     if "transformer_engine" in capabilities:
-        return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=model.qk_norm)
-    spec = get_gpt_layer_local_spec(qk_layernorm=model.qk_norm, normalization="RMSNorm")
+        return get_gpt_layer_with_transformer_engine_spec(num_experts=model.num_experts, moe_grouped_gemm=False,
+                                                          qk_layernorm=model.qk_norm)
+    # MoE: megatron's MoELayer with SequentialMLP experts (one ColumnParallel/RowParallel MLP per local
+    # expert): the expert implementation that needs neither Transformer Engine nor grouped_gemm
+    spec = get_gpt_layer_local_spec(num_experts=model.num_experts, moe_grouped_gemm=False,
+                                    qk_layernorm=model.qk_norm, normalization="RMSNorm")
     layer, attn = spec.submodules, spec.submodules.self_attention
     attn.submodules.core_attention = SDPAttention
     fused = fused or FusedKernels()
-    if fused.norm:
+    if sequence_parallel:  # megatron's torch norms refuse SP; the fused norm is off under SP
+        layer.input_layernorm = layer.pre_mlp_layernorm = SPRMSNorm
+        if model.qk_norm:
+            attn.submodules.q_layernorm = attn.submodules.k_layernorm = partial(SPRMSNorm, for_qk=True)
+    elif fused.norm:
         norm = partial(FusedRMSNorm, backend=fused.backend)
         layer.input_layernorm = layer.pre_mlp_layernorm = norm
         if model.qk_norm:
             attn.submodules.q_layernorm = attn.submodules.k_layernorm = norm
     if fused.swiglu:  # megatron's MLP calls this module on the whole fc1 output (see build_gpt_model)
-        mlp = layer.mlp
-        subs = dataclasses.replace(mlp.keywords["submodules"],
-                                   activation_func=partial(FusedSwiGLU, backend=fused.backend))
-        layer.mlp = partial(mlp.func, *mlp.args, **{**mlp.keywords, "submodules": subs})
+        act = partial(FusedSwiGLU, backend=fused.backend)
+        if model.is_moe:  # every expert is a megatron MLP: MoELayer -> SequentialMLP -> MLPSubmodules
+            moe = layer.mlp
+            experts = moe.keywords["submodules"].experts
+            experts = _with_submodules(experts, dataclasses.replace(experts.keywords["submodules"],
+                                                                    activation_func=act))
+            layer.mlp = _with_submodules(moe, dataclasses.replace(moe.keywords["submodules"], experts=experts))
+        else:
+            layer.mlp = _with_submodules(layer.mlp, dataclasses.replace(layer.mlp.keywords["submodules"],
+                                                                        activation_func=act))
     if fused.rope:
         attn.module = FusedRoPESelfAttention
         attn.params = {**attn.params, "rope_backend": fused.backend}
     return spec
 
 
+def _with_submodules(builder: partial, submodules: Any) -> partial:
+    return partial(builder.func, *builder.args, **{**builder.keywords, "submodules": submodules})
+
+
 def _decoder_spec(spec: ModuleSpec, config: TransformerConfig, fused: FusedKernels, pg_collection: Any,
                   vp_stage: int | None) -> ModuleSpec | TransformerBlockSubmodules:
-    """The layer spec, or with fused norms a block spec whose final norm is fused too (megatron's
-    block otherwise picks its own norm class for it)."""
-    if not fused.norm:
+    """The layer spec, or with fused (or sequence-parallel) norms a block spec whose final norm is the same
+    kind (megatron's block otherwise picks its own norm class for it)."""
+    sp = spec.submodules.input_layernorm is SPRMSNorm
+    if not (fused.norm or sp):
         return spec
     pp_rank = get_pg_rank(getattr(pg_collection, "pp", None))
     n = get_num_layers_to_build(config, vp_stage=vp_stage, pp_rank=pp_rank)
-    return TransformerBlockSubmodules(layer_specs=[spec] * n, layer_norm=partial(FusedRMSNorm, backend=fused.backend))
+    final = SPRMSNorm if sp else partial(FusedRMSNorm, backend=fused.backend)
+    return TransformerBlockSubmodules(layer_specs=[spec] * n, layer_norm=final)
 
 
 def build_gpt_model(
@@ -146,7 +195,9 @@ def build_gpt_model(
     # this flag (named for Transformer Engine, but it only selects MLPSubmodules.activation_func); set it
     # both ways so a config reused for an unfused build gets megatron's own GLU back
     config.use_te_activation_func = fused.swiglu
-    spec = _decoder_spec(layer_spec(model, capabilities, fused), config, fused, pg_collection, vp_stage)
+    sp = config.sequence_parallel and "transformer_engine" not in capabilities
+    spec = _decoder_spec(layer_spec(model, capabilities, fused, sequence_parallel=sp), config, fused,
+                         pg_collection, vp_stage)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="GPTModel IS DEPRECATED")
         gpt = LoongGPTModel(  # GPTModel whose RoPE follows position_ids (packed SFT)

@@ -1,4 +1,4 @@
-"""The schema of a dense decoder-only model (LLaMA 2/3/3.1, Qwen2/2.5, Qwen3)."""
+"""The schema of a decoder-only model: dense (LLaMA 2/3/3.1, Qwen2/2.5, Qwen3) or mixture-of-experts (Qwen3-MoE)."""
 
 from __future__ import annotations
 
@@ -36,9 +36,16 @@ class DenseModelConfig:
     cross-entropy where the accelerator reports Triton, megatron-core's PyTorch modules elsewhere; ``on``
     requires them (an error where Triton is not reported, and an unsupported input fails instead of
     falling back); ``off`` keeps megatron-core's modules (see :mod:`loong.llm.models.fused`).
+
+    Mixture of experts (``num_experts`` set; every layer's MLP is a megatron-core ``MoELayer``):
+    ``moe_ffn_hidden_size`` is each expert's width, ``moe_router_topk`` the experts per token,
+    ``norm_topk_prob`` renormalises the top-k softmax probabilities to sum to 1 (HF ``norm_topk_prob``),
+    ``moe_aux_loss_coeff`` weighs megatron's load-balancing loss (HF ``router_aux_loss_coef``; added to the
+    gradient through megatron's ``MoEAuxLossAutoScaler``, logged as ``moe_aux_loss``),
+    ``moe_token_dispatcher`` is megatron's token dispatcher (``alltoall`` or ``allgather``; both run on gloo).
     """
 
-    family: Literal["llama", "qwen2", "qwen3"] = "llama"
+    family: Literal["llama", "qwen2", "qwen3", "qwen3_moe"] = "llama"
     preset: str = "custom"
     num_layers: int = 2
     hidden_size: int = 64
@@ -57,6 +64,12 @@ class DenseModelConfig:
     init_std: float = 0.02
     init_from_hf: str | None = None
     fused_kernels: Literal["auto", "on", "off"] = "auto"
+    num_experts: int | None = None
+    moe_ffn_hidden_size: int | None = None
+    moe_router_topk: int = 2
+    norm_topk_prob: bool = True
+    moe_aux_loss_coeff: float = 0.001
+    moe_token_dispatcher: Literal["alltoall", "allgather"] = "alltoall"
     lora: LoraConfig = field(default_factory=LoraConfig)
     extra: dict = field(default_factory=dict)
 
@@ -64,14 +77,28 @@ class DenseModelConfig:
     def kv_channels(self) -> int:
         return self.head_dim or self.hidden_size // self.num_attention_heads
 
-    def num_parameters(self) -> int:
-        """Parameter count (embeddings included once when tied)."""
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts is not None
+
+    @property
+    def expert_ffn_hidden_size(self) -> int:
+        return self.moe_ffn_hidden_size or self.ffn_hidden_size
+
+    def num_parameters(self, active: bool = False) -> int:
+        """Parameter count (embeddings included once when tied); ``active``: only the ``moe_router_topk``
+        experts a token runs through (what its FLOPs see)."""
         d, f, v = self.hidden_size, self.ffn_hidden_size, self.vocab_size
         q = self.num_attention_heads * self.kv_channels
         kv = self.num_query_groups * self.kv_channels
         attn = d * (q + 2 * kv) + q * d + (q + 2 * kv if self.qkv_bias else 0)
         attn += 2 * self.kv_channels if self.qk_norm else 0
-        layer = attn + 3 * d * f + 2 * d
+        if self.is_moe:
+            experts = self.moe_router_topk if active else self.num_experts
+            mlp = experts * 3 * d * self.expert_ffn_hidden_size + self.num_experts * d  # + router
+        else:
+            mlp = 3 * d * f
+        layer = attn + mlp + 2 * d
         emb = v * d * (1 if self.tie_word_embeddings else 2)
         return self.num_layers * layer + emb + d
 
@@ -84,21 +111,29 @@ class DenseModelConfig:
             )
         if self.head_dim is None and self.hidden_size % self.num_attention_heads:
             raise LoongError(f"{path}: hidden_size is not divisible by num_attention_heads; set head_dim")
+        if self.is_moe:
+            if self.num_experts < 1 or not 1 <= self.moe_router_topk <= self.num_experts:
+                raise LoongError(f"{path}: moe_router_topk={self.moe_router_topk} must be in 1..num_experts="
+                                 f"{self.num_experts}")
+        elif self.family == "qwen3_moe":
+            raise LoongError(f"{path}: family=qwen3_moe needs num_experts")
 
 
 def training_flops_per_token(model: DenseModelConfig, seq_length: int) -> float:
-    """Training FLOPs per token: 6·N (N without the input embedding) + 12·L·heads·head_dim·seq.
+    """Training FLOPs per token: 6·N (N without the input embedding; for MoE the parameters a token
+    is routed through) + 12·L·heads·head_dim·seq.
 
     The attention term counts the full (non-causal) score matrix, as PaLM (appendix B),
     Megatron-LM and torchtitan do, so MFU figures compare across frameworks.
     """
-    n = model.num_parameters() - (0 if model.tie_word_embeddings else model.vocab_size * model.hidden_size)
+    n = model.num_parameters(active=True) - (0 if model.tie_word_embeddings else model.vocab_size * model.hidden_size)
     attn = 12 * model.num_layers * model.num_attention_heads * model.kv_channels * seq_length
     return 6.0 * n + attn
 
 
-def check_model_layout(model: DenseModelConfig, tp: int, pp: int, seq_length: int) -> None:
-    """Errors a user can fix in the config: TP/PP that do not divide the model, too-long sequences."""
+def check_model_layout(model: DenseModelConfig, tp: int, pp: int, seq_length: int, ep: int = 1,
+                       etp: int | None = None) -> None:
+    """Errors a user can fix in the config: TP/PP/EP that do not divide the model, too-long sequences."""
     if model.num_attention_heads % tp:
         raise LoongError(
             f"parallel.tp={tp} does not divide the model's {model.num_attention_heads} attention heads"
@@ -107,6 +142,14 @@ def check_model_layout(model: DenseModelConfig, tp: int, pp: int, seq_length: in
         raise LoongError(f"parallel.tp={tp} does not divide the model's {model.num_query_groups} KV heads")
     if model.ffn_hidden_size % tp:
         raise LoongError(f"parallel.tp={tp} does not divide ffn_hidden_size={model.ffn_hidden_size}")
+    if ep > 1 and not model.is_moe:
+        raise LoongError(f"parallel.ep={ep}: dense models have no experts (expert parallelism is for MoE)")
+    if model.is_moe:
+        if model.num_experts % ep:
+            raise LoongError(f"parallel.ep={ep} does not divide the model's {model.num_experts} experts")
+        if model.expert_ffn_hidden_size % (etp or tp):
+            raise LoongError(f"the expert tensor-parallel size {etp or tp} does not divide "
+                             f"moe_ffn_hidden_size={model.expert_ffn_hidden_size}")
     if model.num_layers % pp:
         raise LoongError(f"parallel.pp={pp} does not divide the model's {model.num_layers} layers")
     if seq_length > model.max_position_embeddings:

@@ -76,7 +76,7 @@ def resolve_fused_kernels(mode: str, capabilities: set[str], config: Transformer
         return FusedKernels()
     layers = "transformer_engine" not in capabilities
     return FusedKernels(
-        norm=layers,
+        norm=layers and not config.sequence_parallel,  # FusedRMSNorm has no SP gradient mark
         swiglu=layers and config.gated_linear_unit and config.activation_func is F.silu,
         rope=layers and config.context_parallel_size == 1 and not config.no_rope_freq,
         cross_entropy=config.tensor_model_parallel_size == 1,

@@ -1,4 +1,4 @@
-"""Hugging Face <-> Loong weights for the dense families: pure tensor rearrangement, dtypes kept.
+"""Hugging Face <-> Loong weights for the dense and Qwen3-MoE families: pure tensor rearrangement, dtypes kept.
 
 Loong's side is keyed like :func:`loong.core.state.gather_full_state` (megatron sharded keys, layers
 stacked on a leading axis). The mapping is exactly invertible: HF -> Loong -> HF is bit-exact.
@@ -34,6 +34,10 @@ _PLAIN = (
     (_L + "mlp.linear_fc1.layer_norm_weight", "post_attention_layernorm.weight"),
     (_L + "mlp.linear_fc2.weight", "mlp.down_proj.weight"),
 )
+# Mixture of experts (every layer): the router and the experts stacked as [layers, experts, ...].
+_ROUTER = _L + "mlp.router.weight"
+_EXP_FC1, _EXP_FC2 = _L + "mlp.experts.experts.linear_fc1.weight", _L + "mlp.experts.experts.linear_fc2.weight"
+_DENSE_MLP = (_FC1, _PLAIN[3][0])
 _QK_NORM = (
     (_L + "self_attention.q_layernorm.weight", "self_attn.q_norm.weight"),
     (_L + "self_attention.k_layernorm.weight", "self_attn.k_norm.weight"),
@@ -56,6 +60,11 @@ def native_shapes(cfg: DenseModelConfig) -> dict[str, tuple[int, ...]]:
         _QKV_W: (n, qkv, d),
         _FC1: (n, 2 * f, d),
     }
+    if cfg.is_moe:
+        e, fe = cfg.num_experts, cfg.expert_ffn_hidden_size
+        for key in _DENSE_MLP:
+            del shapes[key]
+        shapes.update({_ROUTER: (n, e, d), _EXP_FC1: (n, e, 2 * fe, d), _EXP_FC2: (n, e, d, fe)})
     if cfg.qkv_bias:
         shapes[_QKV_B] = (n, qkv)
     if cfg.qk_norm:
@@ -102,6 +111,12 @@ def _split_qkv(qkv: Tensor, cfg: DenseModelConfig) -> tuple[Tensor, Tensor, Tens
     return tuple(t.reshape(-1, *qkv.shape[1:]) for t in (q, k, v))  # type: ignore[return-value]
 
 
+def _plain(cfg: DenseModelConfig) -> tuple[tuple[str, str], ...]:
+    """The one-to-one (native key, HF suffix) pairs of ``cfg``."""
+    plain = _PLAIN if not cfg.is_moe else tuple(p for p in _PLAIN if p[0] not in _DENSE_MLP)
+    return plain + (_QK_NORM if cfg.qk_norm else ())
+
+
 def _qkv_keys(cfg: DenseModelConfig) -> tuple[tuple[str, str], ...]:
     """(HF suffix kind, native key) of the fused QKV tensors ``cfg`` has."""
     return (("weight", _QKV_W), ("bias", _QKV_B)) if cfg.qkv_bias else (("weight", _QKV_W),)
@@ -128,7 +143,7 @@ def hf_to_native(hf_state: Mapping[str, Tensor], cfg: DenseModelConfig) -> dict[
         src.pop("lm_head.weight", None)  # transformers' state_dict() lists the tied alias
     else:
         out[_OUT] = take("lm_head.weight")
-    for native, hf in _PLAIN + (_QK_NORM if cfg.qk_norm else ()):
+    for native, hf in _plain(cfg):
         out[native] = stack(hf)
     for kind, native in _qkv_keys(cfg):
         out[native] = torch.stack(
@@ -141,14 +156,24 @@ def hf_to_native(hf_state: Mapping[str, Tensor], cfg: DenseModelConfig) -> dict[
                 for i in range(cfg.num_layers)
             ]
         )
-    out[_FC1] = torch.stack(
-        [
-            torch.cat(
-                [take(f"model.layers.{i}.mlp.gate_proj.weight"), take(f"model.layers.{i}.mlp.up_proj.weight")]
-            )
-            for i in range(cfg.num_layers)
-        ]
-    )
+    if cfg.is_moe:
+        out[_ROUTER] = stack("mlp.gate.weight")
+        experts = [[f"model.layers.{i}.mlp.experts.{e}." for e in range(cfg.num_experts)]
+                   for i in range(cfg.num_layers)]
+        out[_EXP_FC1] = torch.stack([
+            torch.stack([torch.cat([take(p + "gate_proj.weight"), take(p + "up_proj.weight")]) for p in layer])
+            for layer in experts
+        ])
+        out[_EXP_FC2] = torch.stack([torch.stack([take(p + "down_proj.weight") for p in layer]) for layer in experts])
+    else:
+        out[_FC1] = torch.stack(
+            [
+                torch.cat(
+                    [take(f"model.layers.{i}.mlp.gate_proj.weight"), take(f"model.layers.{i}.mlp.up_proj.weight")]
+                )
+                for i in range(cfg.num_layers)
+            ]
+        )
     if src:
         extra = sorted(src)
         raise LoongError(
@@ -167,21 +192,28 @@ def native_to_hf(native: Mapping[str, Tensor], cfg: DenseModelConfig) -> dict[st
         out["lm_head.weight"] = native[_OUT]
     for i in range(cfg.num_layers):
         pre = f"model.layers.{i}."
-        for key, hf in _PLAIN + (_QK_NORM if cfg.qk_norm else ()):
+        for key, hf in _plain(cfg):
             out[pre + hf] = native[key][i]
         for kind, key in _qkv_keys(cfg):
             for p, t in zip("qkv", _split_qkv(native[key][i], cfg), strict=True):
                 out[f"{pre}self_attn.{p}_proj.{kind}"] = t
-        gate, up = native[_FC1][i].chunk(2, dim=0)
-        out[pre + "mlp.gate_proj.weight"], out[pre + "mlp.up_proj.weight"] = gate, up
+        if cfg.is_moe:
+            out[pre + "mlp.gate.weight"] = native[_ROUTER][i]
+            for e in range(cfg.num_experts):
+                gate, up = native[_EXP_FC1][i, e].chunk(2, dim=0)
+                out[f"{pre}mlp.experts.{e}.gate_proj.weight"], out[f"{pre}mlp.experts.{e}.up_proj.weight"] = gate, up
+                out[f"{pre}mlp.experts.{e}.down_proj.weight"] = native[_EXP_FC2][i, e]
+        else:
+            gate, up = native[_FC1][i].chunk(2, dim=0)
+            out[pre + "mlp.gate_proj.weight"], out[pre + "mlp.up_proj.weight"] = gate, up
     return out
 
 
 def families() -> dict[str, HFFamily]:
-    """Every supported dense family, by ``DenseModelConfig.family`` name."""
-    from loong.llm.models import llama, qwen2, qwen3
+    """Every supported family, by ``DenseModelConfig.family`` name."""
+    from loong.llm.models import llama, qwen2, qwen3, qwen3_moe
 
-    return {f.name: f for f in (llama.FAMILY, qwen2.FAMILY, qwen3.FAMILY)}
+    return {f.name: f for f in (llama.FAMILY, qwen2.FAMILY, qwen3.FAMILY, qwen3_moe.FAMILY)}
 
 
 def family_by_name(name: str) -> HFFamily:

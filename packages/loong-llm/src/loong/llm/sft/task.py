@@ -156,9 +156,10 @@ class SFTTask(PretrainTask):
         return bool(self.balanced and self.balanced.balancer.measures_time)
 
     def after_train_step(self, step: int, extra: dict[str, float]) -> dict[str, float]:
+        metrics = super().after_train_step(step, extra)  # e.g. the MoE load-balancing loss
         if not self.balanced:
-            return {}
-        metrics = self.balanced.step_metrics(step)
+            return metrics
+        metrics.update(self.balanced.step_metrics(step))
         if "compute_s" in extra:
             fitted = self.balanced.balancer.observe(self.balanced.plan(step)[0], extra["compute_s"], self.device)
             if fitted and self.layout.is_logging_rank:
