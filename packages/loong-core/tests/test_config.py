@@ -44,7 +44,9 @@ PUBLISHED_SIZES = {
     "qwen3_1_7b": 1.7e9,
     "qwen3_8b": 8.2e9,
     "qwen3_32b": 32.8e9,
+    "qwen3_30b_a3b": 30.5e9,  # MoE: total parameters (3.3B active)
 }
+REDUCED_PRESETS = {"tiny", "qwen3_30b_a3b_4l"}  # shapes of our own, no published size
 
 
 @functools.cache
@@ -120,7 +122,7 @@ def test_config_groups_list_the_model_presets() -> None:
     assert {"tiny", "llama3_8b", "llama2_7b", "qwen3_0_6b", "qwen2_5_7b", "llama3_2_1b", "llama3_70b"} <= set(
         presets
     )
-    assert set(PUBLISHED_SIZES) | {"tiny"} == set(presets), (
+    assert set(PUBLISHED_SIZES) | REDUCED_PRESETS == set(presets), (
         "a preset was added or removed: update PUBLISHED_SIZES"
     )
 
@@ -244,7 +246,8 @@ def test_every_preset_composes_and_validates(presets: dict[str, DenseModelConfig
 def test_qwen_families_have_their_switches(presets: dict[str, DenseModelConfig]) -> None:
     for name, model in presets.items():
         if name.startswith("qwen3"):
-            assert model.family == "qwen3" and model.qk_norm and model.head_dim == 128 and not model.qkv_bias
+            assert model.family == ("qwen3_moe" if model.num_experts else "qwen3")
+            assert model.qk_norm and model.head_dim == 128 and not model.qkv_bias
         elif name.startswith("qwen2"):
             assert model.family == "qwen2" and model.qkv_bias and not model.qk_norm
         else:
@@ -260,6 +263,11 @@ def test_preset_parameter_count_matches_the_published_size(
     got = presets[name].num_parameters()
     want = PUBLISHED_SIZES[name]
     assert abs(got - want) / want <= 0.10, f"{name}: {got / 1e9:.3f}B vs published {want / 1e9:.2f}B"
+
+
+def test_moe_preset_active_parameters(presets: dict[str, DenseModelConfig]) -> None:
+    active = presets["qwen3_30b_a3b"].num_parameters(active=True)
+    assert abs(active - 3.3e9) / 3.3e9 <= 0.05, active  # Qwen3-30B-A3B: 3.3B activated
 
 
 def test_tiny_preset_is_tiny(presets: dict[str, DenseModelConfig]) -> None:
