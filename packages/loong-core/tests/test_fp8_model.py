@@ -32,16 +32,11 @@ def _probed(recipe: str, speedup: float, m: int, n: int, k: int) -> list[Entry]:
 @contextlib.contextmanager
 def _world() -> Iterator[tuple]:
     from loong.core.accelerators import select_accelerator
-    from loong.core.config.schema import ParallelConfig
-    from loong.core.parallel import init_distributed, shutdown_distributed
+    from loong.core.parallel import world
 
     acc = select_accelerator("cpu")
-    with acc.activate():
-        layout = init_distributed(acc, ParallelConfig())
-        try:
-            yield acc, layout
-        finally:
-            shutdown_distributed()
+    with world(acc) as layout:
+        yield acc, layout
 
 
 def _gpt(layout, seed: int = 0):  # noqa: ANN001, ANN202

@@ -15,7 +15,7 @@ import torch
 from loong.core.accelerators import select_accelerator
 from loong.core.config.schema import ParallelConfig
 from loong.core.errors import LoongError
-from loong.core.parallel import init_distributed, shutdown_distributed
+from loong.core.parallel import world
 from loong.core.state import gather_full_state, load_full_state
 from loong.llm.models.build import build_gpt_model, transformer_config
 from loong.llm.models.config import DenseModelConfig, RopeScaling
@@ -31,13 +31,8 @@ QWEN3ISH = DenseModelConfig(family="qwen3", num_layers=2, hidden_size=48, ffn_hi
 def cpu():
     """A world of one on the CPU accelerator, for the whole module."""
     acc = select_accelerator("cpu")
-    ctx = acc.activate()
-    ctx.__enter__()
-    try:
-        yield acc, init_distributed(acc, ParallelConfig())
-    finally:
-        shutdown_distributed()
-        ctx.__exit__(None, None, None)
+    with world(acc) as layout:
+        yield acc, layout
 
 
 def _build(cpu, cfg: DenseModelConfig, fused: FusedKernels | None) -> torch.nn.Module:

@@ -34,16 +34,11 @@ TRAIN = ["train.steps=8", "train.seq_length=32", "train.global_batch_size=4", "t
 def _world() -> Iterator[tuple]:
     """A world of one on the CPU accelerator."""
     from loong.core.accelerators import select_accelerator
-    from loong.core.config.schema import ParallelConfig
-    from loong.core.parallel import init_distributed, shutdown_distributed
+    from loong.core.parallel import world
 
     acc = select_accelerator("cpu")
-    with acc.activate():
-        layout = init_distributed(acc, ParallelConfig())
-        try:
-            yield acc, layout
-        finally:
-            shutdown_distributed()
+    with world(acc) as layout:
+        yield acc, layout
 
 
 def _model(world: tuple, model_cfg) -> torch.nn.Module:  # noqa: ANN001

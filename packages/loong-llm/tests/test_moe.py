@@ -14,7 +14,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, Qwen3MoeConfig
 from loong.core.accelerators import select_accelerator
 from loong.core.config.schema import ParallelConfig
 from loong.core.errors import LoongError
-from loong.core.parallel import init_distributed, shutdown_distributed
+from loong.core.parallel import world
 from loong.core.state import gather_full_state, load_full_state
 from loong.llm.hf_io import read_hf_folder, write_hf_folder
 from loong.llm.models.build import build_gpt_model, transformer_config
@@ -37,13 +37,8 @@ def tiny_qwen3_moe_config(vocab: int = 256, layers: int = 2, norm_topk_prob: boo
 @pytest.fixture
 def cpu():  # per test: ``convert`` below sets up and tears down its own world of one
     acc = select_accelerator("cpu")
-    ctx = acc.activate()
-    ctx.__enter__()
-    try:
-        yield acc, init_distributed(acc, ParallelConfig())
-    finally:
-        shutdown_distributed()
-        ctx.__exit__(None, None, None)
+    with world(acc) as layout:
+        yield acc, layout
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:

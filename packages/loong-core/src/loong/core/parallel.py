@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import socket
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -146,3 +148,15 @@ def shutdown_distributed() -> None:
         parallel_state.destroy_model_parallel()
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def world(accelerator: Accelerator, cfg: ParallelConfig | None = None) -> Iterator[ParallelLayout]:
+    """The accelerator activated and its process groups up for the block (a world of one outside a
+    launcher), torn down after: for tools and tests that build models outside a training run."""
+    with accelerator.activate():
+        layout = init_distributed(accelerator, cfg or ParallelConfig())
+        try:
+            yield layout
+        finally:
+            shutdown_distributed()
