@@ -164,13 +164,13 @@ class MegatronEngine(Engine):
         Checked before the optimiser step: megatron-core only checks for fp16 loss scaling, and a
         NaN gradient would otherwise be clipped into NaN weights.
         """
-        loss_bad = self.layout.is_last_stage and not math.isfinite(loss)
-        grads_bad = False
+        device = self.accelerator.device(self.layout.local_rank)
+        flags = torch.zeros(2, device=device)
+        flags[0] = float(self.layout.is_last_stage and not math.isfinite(loss))
         for chunk in self.model_chunks:
             for buffer in [*getattr(chunk, "buffers", []), *getattr(chunk, "expert_parallel_buffers", [])]:
-                grads_bad = grads_bad or not bool(torch.isfinite(buffer.grad_data).all())
-        flags = torch.tensor([float(loss_bad), float(grads_bad)],
-                             device=self.accelerator.device(self.layout.local_rank))
+                # on the device, no host sync per buffer: one for the whole check, at the all-reduce
+                flags[1] = torch.maximum(flags[1], (~torch.isfinite(buffer.grad_data)).any().float())
         dist.all_reduce(flags, op=dist.ReduceOp.MAX)
         return bool(flags[0] > 0), bool(flags[1] > 0)
 
