@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 from _env import host, versions  # benchmarks/_env.py (run as scripts from the repo root)
-from llm_train_throughput import _loong
+from llm_throughput import _loong
 
 RESULTS = Path(__file__).parent / "results"
 

@@ -364,3 +364,19 @@ def test_save_hf_loads_and_matches_convert(long_run: dict, out: Path) -> None:
     with torch.no_grad():
         loss = m1(x, labels=x).loss.item()
     assert loss < 0.92 * math.log(512), loss
+
+
+def test_profile_steps_write_trace_and_table(out: Path) -> None:
+    """``train.profile_steps=[2,3]`` profiles exactly those steps: a Perfetto trace with the steps'
+    operators and an operator table; a malformed window is a clear error before training."""
+    rc, err = _train(out, "profiled", "train.steps=4", "train.save_final=false", "train.eval_iters=0",
+                     "train.profile_steps=[2,3]")
+    assert rc == 0, err
+    prof = out / "profiled" / "profile"
+    trace = json.loads((prof / "trace.json").read_text())
+    names = {e.get("name", "") for e in trace["traceEvents"]}
+    assert any("addmm" in n or "mm" == n.split("::")[-1] for n in names), sorted(names)[:20]
+    assert "Self CPU" in (prof / "ops.txt").read_text()
+    assert f"profile: {prof / 'trace.json'}" in err
+    rc, err = _train(out, "bad_window", "train.steps=2", "train.profile_steps=[3,1]")
+    assert rc != 0 and "train.profile_steps=[3, 1]" in err

@@ -95,6 +95,7 @@ class TrainConfig:
     save_hf: bool = False
     progress: bool = True
     time_limit_s: float = 0.0
+    profile_steps: list[int] = field(default_factory=list)
 
 
 @dataclass

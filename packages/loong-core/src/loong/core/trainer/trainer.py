@@ -19,6 +19,7 @@ from loong.core.engines.base import Engine
 from loong.core.errors import LoongError
 from loong.core.parallel import ParallelLayout
 from loong.core.task import Task
+from loong.core.trainer.profiling import StepProfiler
 from loong.core.trainer.reporting import Reporter
 from loong.core.trainer.resilience import BatchSchedule, check_same_model, nonfinite_diagnostic
 
@@ -154,6 +155,8 @@ class Trainer:
         t = self.cfg.train
         logging_rank = self.layout.is_logging_rank
         reporter = Reporter(self.run_dir, t.steps, start_step, logging_rank, t.progress)
+        profiler = StepProfiler(list(t.profile_steps), self.run_dir, logging_rank,
+                                self.accelerator.device(self.layout.local_rank).type)
         try:
             tokens_per_step = self.task.tokens_per_step()
             flops_per_token = self.task.flops_per_token()
@@ -171,7 +174,9 @@ class Trainer:
                 while step < t.steps:
                     self.checkpoints.poll()
                     batch = self.batches.batch(step)
+                    profiler.before_step(step + 1)
                     metrics = self.engine.train_step(batch)
+                    profiler.after_step(step + 1, self.accelerator.synchronize)
                     if metrics.nonfinite:
                         step = self._on_nonfinite(step, batch, metrics, reporter)
                         continue
@@ -213,6 +218,9 @@ class Trainer:
                 eval_loss = self.engine.eval_loss(t.eval_iters) if t.eval_iters else None
                 if eval_loss is not None:
                     reporter.log({"step": step, "eval_loss": eval_loss})
+                profiler.close()
+                for path in profiler.written:
+                    reporter.print(f"profile: {path}")
                 if t.save_final or step < t.steps:  # a run stopped early always saves
                     last_ckpt = self.save(step, last_loss)
                 self.checkpoints.wait()
@@ -220,6 +228,7 @@ class Trainer:
             if t.save_hf and not interrupted:
                 hf_dir = self.task.export(self.engine.model_chunks, self.run_dir / "hf")
         except BaseException:
+            profiler.close()
             reporter.close(plot=False)  # release files and TensorBoard on any failure
             raise
         png = reporter.close()

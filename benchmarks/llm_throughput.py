@@ -1,0 +1,315 @@
+"""LLM training throughput on one GPU: Hugging Face transformers (eager, compiled) against Loong (bf16, FP8).
+
+Every row trains the same LLaMA-shaped model (default: the ``llama3_2_1b`` preset, 1.24B parameters,
+tied embeddings) on the same data — the corpus loong-llm ships, tokenised by its tiny BPE, in the same
+sample order (loong-llm's seeded sampler) — with the same AdamW, warm-up + cosine learning rate, weight
+decay and gradient clipping, each in its own process (clean memory statistics). Rows:
+
+- ``hf_eager``: ``LlamaForCausalLM`` with SDPA attention, fp32 weights under bf16 autocast, fused AdamW
+  (what ``Trainer(bf16=True)`` does); ``hf_compile``: the same model under ``torch.compile``.
+- ``loong_bf16``: ``loong-llm train`` (megatron-core, loong-kernels' fused kernels where available);
+  ``loong_fp8_<recipe>``: the same with ``precision.fp8=<recipe>`` (docs/fp8.md).
+
+Columns: tokens/s and MFU (medians after ``--warmup`` steps; MFU against the GPU's dense bf16 peak,
+989 TFLOP/s on an H200), peak device memory, and the training loss at the last step (plus the mean of the
+last 20 steps, the steadier figure). Prints a table, writes JSON (command, versions, hardware, figures,
+every row's loss curve) and a loss-curve PNG to ``benchmarks/results/``.
+
+    python benchmarks/llm_throughput.py                                   # all rows, 200 steps
+    python benchmarks/llm_throughput.py --rows hf_eager hf_compile loong_bf16
+    python benchmarks/llm_throughput.py --rows loong_fp8_tensorwise --merge results/llm_throughput_h200_<date>.json
+    python benchmarks/llm_throughput.py --rows loong_bf16 --profile 50 52 # + torch.profiler table per Loong row
+
+``--merge`` adds this run's rows to an earlier result file (same settings required), so the rows can be
+measured in several shorter sessions and still land in one table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from _env import host, versions  # benchmarks/_env.py (run as scripts from the repo root)
+
+RESULTS = Path(__file__).parent / "results"
+PEAK_BF16 = 989e12  # H200/H100 SXM dense bf16, the denominator MFU figures in this field use
+FP8_RECIPES = ("tensorwise", "rowwise", "blockwise", "adaptive")
+ROWS: dict[str, str] = {
+    "hf_eager": "HF transformers, eager (SDPA)",
+    "hf_compile": "HF transformers + torch.compile",
+    "loong_bf16": "Loong bf16",
+    **{f"loong_fp8_{r}": f"Loong FP8 {r}" for r in FP8_RECIPES},
+}
+SETTINGS = ("preset", "seq", "mbs", "gbs", "steps", "lr", "min_lr", "lr_warmup")
+
+
+def _loss_summary(losses: list[float]) -> dict:
+    tail = losses[-20:]
+    return {"loss_last": losses[-1], "loss_last20_mean": sum(tail) / len(tail), "losses": losses}
+
+
+def _loong(args: argparse.Namespace, out: Path, overrides: tuple[str, ...] = (), run_name: str = "loong") -> dict:
+    """One ``loong-llm train`` run in its own process; medians over the steps after ``args.warmup``."""
+    cmd = [sys.executable, "-m", "loong.llm.cli", "train", f"model={args.preset}",
+           f"train.seq_length={args.seq}", f"train.micro_batch_size={args.mbs}",
+           f"train.global_batch_size={args.gbs}", f"train.steps={args.steps}", "train.eval_iters=0",
+           "train.eval_interval=0", "train.progress=false", "train.save_final=false",
+           f"train.lr={getattr(args, 'lr', 3e-4)}", f"train.min_lr={getattr(args, 'min_lr', 3e-5)}",
+           f"train.warmup_steps={getattr(args, 'lr_warmup', 5)}", f"output_dir={out}", f"run_name={run_name}",
+           *overrides]
+    t0 = time.time()
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode:
+        return {"error": proc.stderr[-3000:], "command": " ".join(cmd)}
+    recs = [json.loads(x) for x in (out / run_name / "metrics.jsonl").read_text().splitlines()]
+    recs = [r for r in recs if "train_loss" in r]
+    timed = recs[args.warmup:]
+    row = {
+        "command": "loong-llm " + " ".join(cmd[3:]),
+        "tokens_per_s": statistics.median(r["tokens_per_s"] for r in timed),
+        "mfu": statistics.median(r["mfu"] for r in timed) if "mfu" in timed[0] else None,
+        "peak_memory_gib": max(r["peak_memory_gib"] for r in recs) if "peak_memory_gib" in recs[0] else None,
+        "loss_first_last": [recs[0]["train_loss"], recs[-1]["train_loss"]],
+        **_loss_summary([r["train_loss"] for r in recs]),
+        "wall_s": round(time.time() - t0, 1),
+    }
+    plan: list[str] = []  # the run's FP8 plan: "fp8: ..." and its indented per-layer lines
+    for line in (proc.stdout + proc.stderr).splitlines():
+        if line.startswith("fp8") or (plan and line.startswith("  ") and len(plan) < 16):
+            plan.append(line)
+    if plan:
+        row["fp8_log"] = plan
+    ops = out / run_name / "profile" / "ops.txt"
+    if ops.exists():
+        row["profile_ops"] = ops.read_text().splitlines()[:30]
+    return row
+
+
+def _lr(step: int, args: argparse.Namespace) -> float:
+    """megatron-core's OptimizerParamScheduler as Loong configures it: linear warm-up from 0 (the first
+    update uses step 0), then cosine to ``min_lr`` at ``steps``."""
+    if args.lr_warmup and step <= args.lr_warmup:
+        return args.lr * step / args.lr_warmup
+    ratio = (step - args.lr_warmup) / max(args.steps - args.lr_warmup, 1)
+    return args.min_lr + 0.5 * (math.cos(math.pi * ratio) + 1.0) * (args.lr - args.min_lr)
+
+
+def _hf_worker(args: argparse.Namespace) -> None:
+    """HF LlamaForCausalLM on loong-llm's data in loong-llm's order; prints one JSON line."""
+    import torch
+    import torch.nn.functional as F
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from loong.core.config import compose_config
+    from loong.llm.data.text import GlobalBatchSampler, make_microbatch, split_stream, tokenize_corpus
+    from loong.llm.data.tokenizer import load_tokenizer, packaged_corpus_path
+    from loong.llm.models.config import training_flops_per_token
+    from loong.llm.schema import LLMRunConfig
+
+    cfg, _ = compose_config("loong.llm.configs", "pretrain", [f"model={args.preset}"], LLMRunConfig)
+    m, d = cfg.model, cfg.data
+    rope = None
+    if m.rope_scaling is not None:
+        rope = {"rope_type": "llama3", "factor": m.rope_scaling.factor, "low_freq_factor": m.rope_scaling.low_freq_factor,
+                "high_freq_factor": m.rope_scaling.high_freq_factor,
+                "original_max_position_embeddings": m.rope_scaling.original_max_position_embeddings,
+                "rope_theta": m.rope_theta}
+    hf_cfg = LlamaConfig(hidden_size=m.hidden_size, intermediate_size=m.ffn_hidden_size, num_hidden_layers=m.num_layers,
+                         num_attention_heads=m.num_attention_heads, num_key_value_heads=m.num_query_groups,
+                         head_dim=m.kv_channels, vocab_size=m.vocab_size, max_position_embeddings=m.max_position_embeddings,
+                         rope_theta=m.rope_theta, rope_scaling=rope, tie_word_embeddings=m.tie_word_embeddings,
+                         rms_norm_eps=m.norm_eps, attn_implementation="sdpa")
+    gpu = torch.cuda.is_available()
+    device = "cuda" if gpu else "cpu"
+    torch.manual_seed(cfg.train.seed)
+    model = LlamaForCausalLM(hf_cfg).to(device).train()
+    forward = torch.compile(model) if args.compile else model
+    decay = [p for p in model.parameters() if p.ndim >= 2]  # megatron: no decay on norms and biases
+    rest = [p for p in model.parameters() if p.ndim < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}],
+                            lr=args.lr, betas=(0.9, 0.95), eps=1e-8, fused=gpu)
+
+    path = packaged_corpus_path()
+    tokens = tokenize_corpus(path, load_tokenizer(None), d.format, d.text_field)
+    train, _ = split_stream(tokens, args.seq, d.valid_fraction, str(path))
+    sampler = GlobalBatchSampler(len(train), cfg.train.seed)
+    accum = args.gbs // args.mbs
+    sync = torch.cuda.synchronize if gpu else (lambda: None)
+    tps, losses = [], []
+    if gpu:
+        torch.cuda.reset_peak_memory_stats()
+    for step in range(args.steps):
+        for group in opt.param_groups:
+            group["lr"] = _lr(step, args)
+        sync()
+        t0 = time.perf_counter()
+        total = torch.zeros((), device=device)
+        for i in range(accum):
+            first = step * args.gbs + i * args.mbs
+            mb = make_microbatch([train[sampler.index(g)] for g in range(first, first + args.mbs)])
+            ids, labels = mb["tokens"].to(device), mb["labels"].to(device)
+            with torch.autocast(device, dtype=torch.bfloat16, enabled=gpu):
+                logits = forward(input_ids=ids).logits
+            loss = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten())
+            (loss / accum).backward()
+            total += loss.detach() / accum
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(float(total))  # the host sync a logging trainer makes every step too
+        tps.append(args.gbs * args.seq / (time.perf_counter() - t0))
+    tok_s = statistics.median(tps[args.warmup:])
+    mfu = tok_s * training_flops_per_token(m, args.seq) / PEAK_BF16 if gpu else None
+    mem = round(torch.cuda.max_memory_allocated() / 2**30, 2) if gpu else None
+    print(json.dumps({"tokens_per_s": round(tok_s, 1), "mfu": None if mfu is None else round(mfu, 4),
+                      "peak_memory_gib": mem, **_loss_summary(losses)}))
+
+
+def _hf(args: argparse.Namespace, compile_: bool) -> dict:
+    cmd = [sys.executable, __file__, "--hf-worker", *(["--compile"] if compile_ else []),
+           *[f"--{k.replace('_', '-')}={getattr(args, k)}" for k in (*SETTINGS, "warmup")]]
+    t0 = time.time()
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode:
+        return {"error": proc.stderr[-3000:], "command": " ".join(cmd[1:])}
+    return {"command": " ".join(cmd[1:]), **json.loads(proc.stdout.strip().splitlines()[-1]),
+            "wall_s": round(time.time() - t0, 1)}
+
+
+def _run_row(name: str, args: argparse.Namespace, tmp: Path) -> dict:
+    if name.startswith("hf_"):
+        return _hf(args, compile_=name == "hf_compile")
+    overrides = ["model.fused_kernels=auto"]
+    if name.startswith("loong_fp8_"):
+        overrides.append(f"precision.fp8={name.removeprefix('loong_fp8_')}")
+    if args.profile:
+        overrides.append(f"train.profile_steps=[{args.profile[0]},{args.profile[1]}]")
+    return _loong(args, tmp, tuple(overrides), run_name=name)
+
+
+def _table(rows: dict[str, dict]) -> list[str]:
+    base_hf, base_bf16 = rows.get("hf_eager", {}), rows.get("loong_bf16", {})
+    lines = [f"{'row':<34}{'tokens/s':>10}{'MFU':>8}{'peak GiB':>10}{'loss@end':>10}{'last-20':>9}"
+             f"{'vs HF':>8}{'vs bf16':>9}"]
+    for name, r in rows.items():
+        label = ROWS.get(name, name)
+        if "error" in r:
+            lines.append(f"{label:<34}  failed: {r['error'].strip().splitlines()[-1][:70]}")
+            continue
+        mfu = f"{r['mfu']:.1%}" if r.get("mfu") is not None else "-"
+        mem = f"{r['peak_memory_gib']:.1f}" if r.get("peak_memory_gib") is not None else "-"
+        vs_hf = f"{r['tokens_per_s'] / base_hf['tokens_per_s']:.2f}x" if "tokens_per_s" in base_hf else "-"
+        vs_bf16 = f"{r['tokens_per_s'] / base_bf16['tokens_per_s']:.2f}x" if "tokens_per_s" in base_bf16 else "-"
+        lines.append(f"{label:<34}{r['tokens_per_s']:>10,.0f}{mfu:>8}{mem:>10}{r['loss_last']:>10.4f}"
+                     f"{r['loss_last20_mean']:>9.4f}{vs_hf:>8}{vs_bf16:>9}")
+    return lines
+
+
+def _targets(rows: dict[str, dict]) -> dict:
+    """The issue's targets, checked on whatever rows are present."""
+    ok = {k: v for k, v in rows.items() if "error" not in v}
+    out: dict = {}
+    hf, bf16 = ok.get("hf_eager"), ok.get("loong_bf16")
+    if hf and bf16:
+        out["bf16_speedup_vs_hf_eager"] = round(bf16["tokens_per_s"] / hf["tokens_per_s"], 3)
+        if bf16["peak_memory_gib"] and hf["peak_memory_gib"]:  # device memory (not measured on CPU)
+            out["bf16_memory_vs_hf_eager"] = round(bf16["peak_memory_gib"] / hf["peak_memory_gib"], 3)
+            out["bf16_target_met"] = out["bf16_speedup_vs_hf_eager"] >= 1.35 and out["bf16_memory_vs_hf_eager"] <= 0.7
+    fp8 = {k: v for k, v in ok.items() if k.startswith("loong_fp8_")}
+    if bf16 and fp8:
+        best = max(fp8, key=lambda k: fp8[k]["tokens_per_s"])
+        out["fp8_best"] = best
+        out["fp8_speedup_vs_bf16"] = round(fp8[best]["tokens_per_s"] / bf16["tokens_per_s"], 3)
+        out["fp8_loss_rel_diff"] = {k: round(v["loss_last20_mean"] / bf16["loss_last20_mean"] - 1, 5)
+                                   for k, v in fp8.items()}
+        out["fp8_target_met"] = out["fp8_speedup_vs_bf16"] >= 1.3 and abs(out["fp8_loss_rel_diff"][best]) <= 0.005
+    return out
+
+
+def _plot(rows: dict[str, dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for name, r in rows.items():
+        if "losses" in r:
+            ax.plot(range(1, len(r["losses"]) + 1), r["losses"], label=ROWS.get(name, name), linewidth=1)
+    ax.set_xlabel("step")
+    ax.set_ylabel("training loss")
+    ax.set_yscale("log")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--preset", default="llama3_2_1b")
+    p.add_argument("--seq", type=int, default=4096)
+    p.add_argument("--mbs", type=int, default=4)
+    p.add_argument("--gbs", type=int, default=4)
+    p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--lr", type=float, default=3e-4)
+    p.add_argument("--min-lr", type=float, default=3e-5)
+    p.add_argument("--lr-warmup", type=int, default=20, help="learning-rate warm-up steps")
+    p.add_argument("--warmup", type=int, default=10, help="steps left out of the throughput figures")
+    p.add_argument("--rows", nargs="+", default=list(ROWS), choices=list(ROWS))
+    p.add_argument("--profile", type=int, nargs=2, metavar=("START", "END"), default=None,
+                   help="torch.profiler over these steps of every Loong row; top operators go into the JSON")
+    p.add_argument("--merge", default=None, help="an earlier result JSON to add these rows to")
+    p.add_argument("--out", default=None, help="JSON path (default: results/llm_throughput_<gpu>_<preset>_<date>.json)")
+    p.add_argument("--hf-worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--compile", action="store_true", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.hf_worker:
+        _hf_worker(args)
+        return
+    if args.gbs % args.mbs:
+        p.error(f"--gbs {args.gbs} is not a multiple of --mbs {args.mbs}")
+    rows: dict[str, dict] = {}
+    commands: list[str] = []
+    if args.merge:
+        earlier = json.loads(Path(args.merge).read_text())
+        differ = {k: (earlier["args"][k], getattr(args, k)) for k in SETTINGS if earlier["args"][k] != getattr(args, k)}
+        if differ:
+            p.error(f"--merge {args.merge}: settings differ (earlier, now): {differ}")
+        rows, commands = earlier["rows"], earlier["commands"]
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in args.rows:
+            print(f"running {name} ...", flush=True)
+            rows[name] = _run_row(name, args, Path(tmp))
+    rows = {k: rows[k] for k in ROWS if k in rows}
+    command = " ".join(["python", "benchmarks/" + Path(sys.argv[0]).name, *sys.argv[1:]])
+    lines = _table(rows)
+    print(f"\n{args.preset}  seq={args.seq} micro-batch={args.mbs} global-batch={args.gbs} steps={args.steps} "
+          f"(tokens/s: median after step {args.warmup})")
+    print("\n".join(lines))
+    targets = _targets(rows)
+    print(json.dumps(targets, indent=1))
+    hw = host()
+    tag = (hw.get("gpu") or "cpu").split()[-1].lower()
+    out = Path(args.merge or args.out or RESULTS / f"llm_throughput_{tag}_{args.preset}_{time.strftime('%Y%m%d')}.json")
+    result = {"benchmark": "llm_throughput", "date": time.strftime("%Y-%m-%d"), "commands": [*commands, command],
+              "args": {k: v for k, v in vars(args).items() if k not in ("hf_worker", "compile", "merge")},
+              "versions": versions(["torch", "megatron-core", "transformers", "triton", "loong-core",
+                                    "loong-kernels", "loong-llm"]),
+              "hardware": hw, "table": lines, "targets": targets, "rows": rows}
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2))
+    _plot(rows, out.with_suffix(".png"))
+    print(f"wrote {out} and {out.with_suffix('.png').name}")
+
+
+if __name__ == "__main__":
+    main()
