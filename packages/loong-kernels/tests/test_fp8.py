@@ -16,6 +16,7 @@ from loong.kernels import (
     quantize_rowwise_reference,
     quantize_tensorwise,
     quantize_tensorwise_reference,
+    transpose_2d,
 )
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
@@ -116,3 +117,26 @@ def test_bad_inputs(interpret):
         dequantize(q, torch.ones(3, 3))
     with pytest.raises(ValueError, match="must be float8"):
         dequantize(torch.randn(4, 8), s)
+
+
+@pytest.mark.parametrize("dtype", [E4M3, E5M2, torch.uint8, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("shape", [(1, 1), (37, 300), (130, 129)])
+def test_transpose_2d_is_a_bit_exact_transpose(interpret, dtype, shape):
+    """Odd shapes straddle the 128/64 tiles; the bits of every element (fp8 NaN patterns included) survive."""
+    bits = torch.randint(0, 256, (shape[0], shape[1] * torch.empty((), dtype=dtype).element_size()),
+                         generator=torch.Generator().manual_seed(1), dtype=torch.uint8)
+    x = bits.view(dtype)
+    y = transpose_2d(x, backend="triton")
+    assert y.shape == (shape[1], shape[0]) and y.is_contiguous() and y.dtype == dtype
+    assert torch.equal(y.view(torch.uint8), x.t().contiguous().view(torch.uint8))
+
+
+def test_transpose_2d_falls_back_or_refuses(interpret):
+    x = torch.arange(12, dtype=torch.float64).view(3, 4)
+    assert torch.equal(transpose_2d(x), x.t())  # auto on CPU: the reference
+    with pytest.raises(KernelUnsupportedError, match="8-byte"):
+        transpose_2d(x, backend="triton")
+    with pytest.raises(KernelUnsupportedError, match="not row-major"):
+        transpose_2d(x.float().t(), backend="triton")
+    with pytest.raises(ValueError, match="2-D"):
+        transpose_2d(x.view(-1))

@@ -168,3 +168,13 @@ def test_fp8_bit_exact_and_scaled_mm(kind):
         scale_w = sw if kind == "tensorwise" else sw.t()
         y = torch._scaled_mm(qx, qw.t(), scale_a=sx.float(), scale_b=scale_w.float(), out_dtype=torch.bfloat16)
         assert _rel(y, x.float() @ w.float().t()) < 0.08
+
+
+def test_transpose_2d_fp8_large():
+    """The FP8 weight-gradient operands' transpose at the 1B model's shapes, bit for bit."""
+    from loong.kernels import transpose_2d
+
+    x = torch.randn(16384, 8192 + 64, device="cuda").to(torch.float8_e4m3fn)
+    assert torch.equal(transpose_2d(x).view(torch.uint8), x.t().contiguous().view(torch.uint8))
+    xb = torch.randn(4096 + 3, 2048, device="cuda", dtype=torch.bfloat16)
+    assert torch.equal(transpose_2d(xb), xb.t().contiguous())

@@ -14,6 +14,13 @@ See ``docs/kernels.md`` for the contracts and measured speed.
 
 from loong.kernels._dispatch import Backend, KernelUnsupportedError, interpreting, triton_available
 from loong.kernels.cross_entropy import fused_linear_cross_entropy, fused_linear_cross_entropy_reference
+from loong.kernels.dsa import (
+    indexer_scores_reference,
+    indexer_topk,
+    indexer_topk_reference,
+    sparse_mla_attention,
+    sparse_mla_attention_reference,
+)
 from loong.kernels.fp8 import (
     FP8_MAX,
     dequantize,
@@ -24,6 +31,7 @@ from loong.kernels.fp8 import (
     quantize_rowwise_reference,
     quantize_tensorwise,
     quantize_tensorwise_reference,
+    transpose_2d,
 )
 from loong.kernels.norm import rms_norm, rms_norm_reference
 from loong.kernels.rope import (
@@ -48,6 +56,9 @@ __all__ = [
     "dequantize_reference",
     "fused_linear_cross_entropy",
     "fused_linear_cross_entropy_reference",
+    "indexer_scores_reference",
+    "indexer_topk",
+    "indexer_topk_reference",
     "interpreting",
     "quantize_blockwise",
     "quantize_blockwise_reference",
@@ -55,10 +66,13 @@ __all__ = [
     "quantize_rowwise_reference",
     "quantize_tensorwise",
     "quantize_tensorwise_reference",
+    "transpose_2d",
     "rms_norm",
     "rms_norm_reference",
     "rope_cos_sin",
     "rope_inv_freq",
+    "sparse_mla_attention",
+    "sparse_mla_attention_reference",
     "swiglu",
     "swiglu_reference",
     "triton_available",

@@ -38,7 +38,7 @@ from typing import Literal
 
 import torch
 
-from loong.kernels import dequantize, quantize_blockwise, quantize_rowwise, quantize_tensorwise
+from loong.kernels import dequantize, quantize_blockwise, quantize_rowwise, quantize_tensorwise, transpose_2d
 
 Granularity = Literal["tensor", "row", "1x128", "128x128"]
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
@@ -103,7 +103,7 @@ class Quantized:
         if not transposable(self.granularity):
             raise ValueError(f"a {self.granularity} quantisation is not the quantisation of the transpose")
         scale = self.scale if self.granularity == "tensor" else self.scale.t().contiguous()
-        return Quantized(self.data.t().contiguous(), scale, self.granularity)
+        return Quantized(transpose_2d(self.data), scale, self.granularity)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """``data * scale`` broadcast over the blocks, in ``dtype``."""
@@ -117,10 +117,12 @@ def quantize(t: torch.Tensor, granularity: Granularity, fp8_dtype: torch.dtype =
     """Quantise a 2-D tensor along its last (contraction) dimension.
 
     Runs loong-kernels' Triton kernels on CUDA and their PyTorch references elsewhere; both give the same
-    bits. A non-contiguous ``t`` (a transpose) is copied first.
+    bits. A transposed view is copied first (by loong-kernels' tiled ``transpose_2d``).
     """
     if t.dim() != 2:
         raise ValueError(f"quantize: expected a 2-D tensor, got shape {tuple(t.shape)}")
+    if t.stride(1) != 1 and t.stride(0) == 1:  # a transposed view: a tiled copy, not torch's strided one
+        t = transpose_2d(t.t())
     if granularity == "tensor":
         q, s = quantize_tensorwise(t, fp8_dtype=fp8_dtype)
     elif granularity == "row":

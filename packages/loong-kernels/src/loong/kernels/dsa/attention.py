@@ -1,0 +1,260 @@
+"""Triton sparse MLA attention (MQA mode) over indexer-selected tokens: forward and backward.
+
+Layout: ``q [B, S, H, D]``, ``kv [B, S_kv, D]`` (one latent row per token shared by every head; the value is
+its first ``v_dim`` channels), ``indices [B, S, K]``. A row's ``D`` channels are split into the *value part*
+``[0, v_dim)`` and the *tail* ``[v_dim, D)`` (the 64 RoPE channels in V3.2), each padded to a power of two,
+so D = 576 costs 512 + 64 lanes rather than 1024.
+
+Forward: one program per (head block, token, batch). It loads ``BLOCK_H`` heads of the query once and walks
+the token's selected keys ``BLOCK_N`` at a time: the gathered kv tile ``[BLOCK_N, D]`` is read once and used
+by all ``BLOCK_H`` heads for both ``q . k`` and ``p @ v`` (this sharing, as in FlashMLA's sparse kernel, is
+where the speed comes from: with H = 128 and BLOCK_H = 64 each selected row is gathered twice per token
+instead of 128 times). The softmax is online, in base 2, with fp32 statistics.
+
+Backward: the same grid. Each program recomputes its probabilities from the saved log-sum-exp, keeps
+``dq`` for its heads in registers, and adds ``dk + dv`` for the selected rows into an fp32 ``[B, S_kv, D]``
+buffer with ``tl.atomic_add``. Atomics were chosen over a deterministic scheme because a token is selected by
+a data-dependent, very uneven number of queries (the first tokens by nearly all of them): a sort-based
+inverse index would need either the per-(query, head, key) probabilities stored (``S*H*K``, tens of GB at
+64K) or the attention recomputed from the key side. The price is run-to-run bit differences in ``dkv``
+(fp32 sums in a varying order) and ``4 * B * S_kv * D`` bytes for the buffer.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from loong.kernels._dispatch import cdiv, interpreting, kernel, next_pow2
+
+try:
+    import triton.language as tl
+except ImportError:  # pragma: no cover
+    tl = None
+
+_LOG2E = math.log2(math.e)
+
+# Block configurations (BLOCK_H, BLOCK_N, num_warps, num_stages). The benchmark can override them to tune
+# on a new GPU (``benchmarks/dsa.py --fwd-config/--bwd-config``). The backward holds dq for BLOCK_H heads
+# (fp32, BLOCK_H x D) next to q and dO, so it uses a smaller key block.
+FWD_CONFIG: dict[str, int] = {"BLOCK_H": 64, "BLOCK_N": 64, "num_warps": 8, "num_stages": 2}
+BWD_CONFIG: dict[str, int] = {"BLOCK_H": 64, "BLOCK_N": 32, "num_warps": 8, "num_stages": 1}
+_MAX_DIM = 1024  # padded value part; wider rows would not fit the tiles
+
+
+@kernel
+def _sparse_mla_fwd(Q, KV, IDX, OUT, LSE,
+                    sq_b, sq_s, sq_h, skv_b, skv_s, si_b, si_s, so_b, so_s, so_h, sl_b, sl_s,
+                    n_heads, s_kv, n_sel, v_dim, d_tail, qk_scale,
+                    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr,
+                    BLOCK_T: tl.constexpr, HAS_TAIL: tl.constexpr, PRECISION: tl.constexpr,
+                    UPCAST: tl.constexpr):
+    hb, tok, bat = tl.program_id(0), tl.program_id(1).to(tl.int64), tl.program_id(2).to(tl.int64)
+    heads = hb * BLOCK_H + tl.arange(0, BLOCK_H)
+    hmask = heads < n_heads
+    dv = tl.arange(0, BLOCK_V)
+    vmask = dv < v_dim
+    q_row = Q + bat * sq_b + tok * sq_s + heads[:, None] * sq_h
+    q_v = tl.load(q_row + dv[None, :], mask=hmask[:, None] & vmask[None, :], other=0.0)
+    if UPCAST:
+        q_v = q_v.to(tl.float32)
+    if HAS_TAIL:
+        dt = tl.arange(0, BLOCK_T)
+        tmask = dt < d_tail
+        q_t = tl.load(q_row + v_dim + dt[None, :], mask=hmask[:, None] & tmask[None, :], other=0.0)
+        if UPCAST:
+            q_t = q_t.to(tl.float32)
+    kv_base = KV + bat * skv_b
+    idx_base = IDX + bat * si_b + tok * si_s
+    # A finite floor instead of -inf keeps exp2(m_old - m_new) defined while no key has been valid yet.
+    m = tl.full([BLOCK_H], -1.0e30, tl.float32)
+    den = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_V], tl.float32)
+    for start in range(0, n_sel, BLOCK_N):
+        offs = start + tl.arange(0, BLOCK_N)
+        idx = tl.load(idx_base + offs, mask=offs < n_sel, other=-1).to(tl.int64)
+        valid = (idx >= 0) & (idx < s_kv)
+        rows = kv_base + idx * skv_s
+        kv_v = tl.load(rows[:, None] + dv[None, :], mask=valid[:, None] & vmask[None, :], other=0.0)
+        if UPCAST:
+            kv_v = kv_v.to(tl.float32)
+        s = tl.dot(q_v, tl.trans(kv_v), input_precision=PRECISION)
+        if HAS_TAIL:
+            kv_t = tl.load(rows[:, None] + v_dim + dt[None, :], mask=valid[:, None] & tmask[None, :], other=0.0)
+            if UPCAST:
+                kv_t = kv_t.to(tl.float32)
+            s += tl.dot(q_t, tl.trans(kv_t), input_precision=PRECISION)
+        s = tl.where(valid[None, :], s * qk_scale, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, 1))
+        alpha = tl.exp2(m - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        den = den * alpha + tl.sum(p, 1)
+        # p is rounded to the input dtype for the tensor-core dot; under the interpreter it then goes back to
+        # fp32 (UPCAST), keeping the rounding but avoiding the interpreter's bf16 dot.
+        p_op = p.to(KV.dtype.element_ty)
+        if UPCAST:
+            p_op = p_op.to(tl.float32)
+        acc = acc * alpha[:, None] + tl.dot(p_op, kv_v, input_precision=PRECISION)
+        m = m_new
+    has = den > 0.0
+    out = acc / tl.where(has, den, 1.0)[:, None]
+    o_row = OUT + bat * so_b + tok * so_s + heads[:, None] * so_h
+    tl.store(o_row + dv[None, :], out.to(OUT.dtype.element_ty), mask=hmask[:, None] & vmask[None, :])
+    lse = tl.where(has, (m + tl.log2(tl.where(has, den, 1.0))) / 1.4426950408889634, float("-inf"))
+    tl.store(LSE + bat * sl_b + tok * sl_s + heads, lse, mask=hmask)
+
+
+@kernel
+def _sparse_mla_bwd(Q, KV, IDX, OUT, DO, LSE, DQ, DKV,
+                    sq_b, sq_s, sq_h, skv_b, skv_s, si_b, si_s, so_b, so_s, so_h, sdo_b, sdo_s, sdo_h,
+                    sl_b, sl_s, sdq_b, sdq_s, sdq_h, sdk_b, sdk_s,
+                    n_heads, s_kv, n_sel, v_dim, d_tail, qk_scale, sm_scale,
+                    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr,
+                    BLOCK_T: tl.constexpr, HAS_TAIL: tl.constexpr, PRECISION: tl.constexpr,
+                    UPCAST: tl.constexpr):
+    hb, tok, bat = tl.program_id(0), tl.program_id(1).to(tl.int64), tl.program_id(2).to(tl.int64)
+    heads = hb * BLOCK_H + tl.arange(0, BLOCK_H)
+    hmask = heads < n_heads
+    dv = tl.arange(0, BLOCK_V)
+    vmask = dv < v_dim
+    hv_mask = hmask[:, None] & vmask[None, :]
+    q_row = Q + bat * sq_b + tok * sq_s + heads[:, None] * sq_h
+    q_v = tl.load(q_row + dv[None, :], mask=hv_mask, other=0.0)
+    do = tl.load(DO + bat * sdo_b + tok * sdo_s + heads[:, None] * sdo_h + dv[None, :], mask=hv_mask, other=0.0)
+    if UPCAST:
+        q_v, do = q_v.to(tl.float32), do.to(tl.float32)
+    o = tl.load(OUT + bat * so_b + tok * so_s + heads[:, None] * so_h + dv[None, :], mask=hv_mask, other=0.0)
+    # delta = rowsum(dO * O): computed here rather than by a separate pass, it costs one extra [H, v] read.
+    delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), 1)
+    lse = tl.load(LSE + bat * sl_b + tok * sl_s + heads, mask=hmask, other=float("-inf"))
+    # Base-2 lse; a query (or padded head) without any valid key gets +inf so that its p is exactly 0.
+    lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
+    dq_v = tl.zeros([BLOCK_H, BLOCK_V], tl.float32)
+    if HAS_TAIL:
+        dt = tl.arange(0, BLOCK_T)
+        tmask = dt < d_tail
+        q_t = tl.load(q_row + v_dim + dt[None, :], mask=hmask[:, None] & tmask[None, :], other=0.0)
+        if UPCAST:
+            q_t = q_t.to(tl.float32)
+        dq_t = tl.zeros([BLOCK_H, BLOCK_T], tl.float32)
+    kv_base = KV + bat * skv_b
+    dkv_base = DKV + bat * sdk_b
+    idx_base = IDX + bat * si_b + tok * si_s
+    for start in range(0, n_sel, BLOCK_N):
+        offs = start + tl.arange(0, BLOCK_N)
+        idx = tl.load(idx_base + offs, mask=offs < n_sel, other=-1).to(tl.int64)
+        valid = (idx >= 0) & (idx < s_kv)
+        rows = kv_base + idx * skv_s
+        kv_v = tl.load(rows[:, None] + dv[None, :], mask=valid[:, None] & vmask[None, :], other=0.0)
+        if UPCAST:
+            kv_v = kv_v.to(tl.float32)
+        s = tl.dot(q_v, tl.trans(kv_v), input_precision=PRECISION)
+        if HAS_TAIL:
+            kv_t = tl.load(rows[:, None] + v_dim + dt[None, :], mask=valid[:, None] & tmask[None, :], other=0.0)
+            if UPCAST:
+                kv_t = kv_t.to(tl.float32)
+            s += tl.dot(q_t, tl.trans(kv_t), input_precision=PRECISION)
+        p = tl.where(valid[None, :], tl.exp2(s * qk_scale - lse2[:, None]), 0.0)
+        dp = tl.dot(do, tl.trans(kv_v), input_precision=PRECISION)
+        ds = (p * (dp - delta[:, None])).to(KV.dtype.element_ty)  # d(loss)/d(q.k) up to sm_scale
+        p_op = p.to(KV.dtype.element_ty)
+        if UPCAST:
+            ds, p_op = ds.to(tl.float32), p_op.to(tl.float32)
+        dq_v += tl.dot(ds, kv_v, input_precision=PRECISION)
+        # dkv for the value part: dk (sm_scale * ds^T q) plus dv (p^T dO), both [BLOCK_N, v].
+        dkv_v = tl.dot(tl.trans(ds), q_v, input_precision=PRECISION) * sm_scale
+        dkv_v += tl.dot(tl.trans(p_op), do, input_precision=PRECISION)
+        d_rows = dkv_base + idx * sdk_s
+        tl.atomic_add(d_rows[:, None] + dv[None, :], dkv_v, mask=valid[:, None] & vmask[None, :], sem="relaxed")
+        if HAS_TAIL:
+            dq_t += tl.dot(ds, kv_t, input_precision=PRECISION)
+            dkv_t = tl.dot(tl.trans(ds), q_t, input_precision=PRECISION) * sm_scale
+            tl.atomic_add(d_rows[:, None] + v_dim + dt[None, :], dkv_t, mask=valid[:, None] & tmask[None, :],
+                          sem="relaxed")
+    dq_row = DQ + bat * sdq_b + tok * sdq_s + heads[:, None] * sdq_h
+    tl.store(dq_row + dv[None, :], (dq_v * sm_scale).to(DQ.dtype.element_ty), mask=hv_mask)
+    if HAS_TAIL:
+        tl.store(dq_row + v_dim + dt[None, :], (dq_t * sm_scale).to(DQ.dtype.element_ty),
+                 mask=hmask[:, None] & tmask[None, :])
+
+
+def why_not(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, v_dim: int) -> str | None:
+    """The reason the Triton kernel cannot take these inputs, or None."""
+    if next_pow2(v_dim) > _MAX_DIM or next_pow2(max(q.shape[-1] - v_dim, 1)) > _MAX_DIM:
+        return f"D_qk={q.shape[-1]}, v_dim={v_dim} is over the kernel's limit ({_MAX_DIM} per part)"
+    return None
+
+
+def _dims(d: int, v_dim: int) -> dict[str, int | bool]:
+    tail = d - v_dim
+    # tl.dot needs every dimension >= 16, hence the floors.
+    return {"BLOCK_V": max(16, next_pow2(v_dim)), "BLOCK_T": max(16, next_pow2(max(tail, 1))),
+            "HAS_TAIL": tail > 0}
+
+
+def _block_h(n_heads: int, cap: int) -> int:
+    return max(16, min(cap, next_pow2(n_heads)))
+
+
+def _upcast(t: torch.Tensor) -> bool:
+    """Triton's interpreter multiplies bf16 dot operands as their raw uint16 bits; give it fp32 instead."""
+    return t.dtype == torch.bfloat16 and interpreting()
+
+
+def _inner(t: torch.Tensor) -> torch.Tensor:
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+class _SparseMLAFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, kv, indices, softmax_scale, v_dim):
+        q, kv, indices = _inner(q), _inner(kv), _inner(indices)
+        b, s, h, d = q.shape
+        out = torch.empty((b, s, h, v_dim), dtype=q.dtype, device=q.device)
+        lse = torch.empty((b, s, h), dtype=torch.float32, device=q.device)
+        cfg = dict(FWD_CONFIG)
+        block_h = _block_h(h, cfg.pop("BLOCK_H"))
+        prec = "ieee" if q.dtype == torch.float32 else "tf32"
+        if b and s and h:
+            _sparse_mla_fwd[(cdiv(h, block_h), s, b)](
+                q, kv, indices, out, lse,
+                q.stride(0), q.stride(1), q.stride(2), kv.stride(0), kv.stride(1),
+                indices.stride(0), indices.stride(1), out.stride(0), out.stride(1), out.stride(2),
+                lse.stride(0), lse.stride(1),
+                h, kv.shape[1], indices.shape[2], v_dim, d - v_dim, softmax_scale * _LOG2E,
+                BLOCK_H=block_h, PRECISION=prec, UPCAST=_upcast(q), **_dims(d, v_dim), **cfg)
+        ctx.save_for_backward(q, kv, indices, out, lse)
+        ctx.softmax_scale, ctx.v_dim = softmax_scale, v_dim
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, _dlse):
+        q, kv, indices, out, lse = ctx.saved_tensors
+        v_dim, scale = ctx.v_dim, ctx.softmax_scale
+        b, s, h, d = q.shape
+        if dout is None:
+            return torch.zeros_like(q), torch.zeros_like(kv), None, None, None
+        dq = torch.zeros(q.shape, dtype=q.dtype, device=q.device)
+        dkv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
+        dout = _inner(dout)
+        cfg = dict(BWD_CONFIG)
+        block_h = _block_h(h, cfg.pop("BLOCK_H"))
+        prec = "ieee" if q.dtype == torch.float32 else "tf32"
+        if b and s and h:
+            _sparse_mla_bwd[(cdiv(h, block_h), s, b)](
+                q, kv, indices, out, dout, lse, dq, dkv,
+                q.stride(0), q.stride(1), q.stride(2), kv.stride(0), kv.stride(1),
+                indices.stride(0), indices.stride(1), out.stride(0), out.stride(1), out.stride(2),
+                dout.stride(0), dout.stride(1), dout.stride(2), lse.stride(0), lse.stride(1),
+                dq.stride(0), dq.stride(1), dq.stride(2), dkv.stride(0), dkv.stride(1),
+                h, kv.shape[1], indices.shape[2], v_dim, d - v_dim, scale * _LOG2E, scale,
+                BLOCK_H=block_h, PRECISION=prec, UPCAST=_upcast(q), **_dims(d, v_dim), **cfg)
+        return dq, dkv.to(kv.dtype), None, None, None
+
+
+def sparse_mla_attention_triton(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, *,
+                                softmax_scale: float, v_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The Triton path of :func:`loong.kernels.dsa.sparse_mla_attention` (inputs already checked)."""
+    return _SparseMLAFn.apply(q, kv, indices, float(softmax_scale), int(v_dim))
