@@ -45,8 +45,9 @@ PUBLISHED_SIZES = {
     "qwen3_8b": 8.2e9,
     "qwen3_32b": 32.8e9,
     "qwen3_30b_a3b": 30.5e9,  # MoE: total parameters (3.3B active)
+    "deepseek_v3": 671e9,  # 37B active; counted with its MTP module (685B), see loong-llm's test_deepseek_v3
 }
-REDUCED_PRESETS = {"tiny", "qwen3_30b_a3b_4l"}  # shapes of our own, no published size
+REDUCED_PRESETS = {"tiny", "qwen3_30b_a3b_4l", "deepseek_v3_4l"}  # shapes of our own, no published size
 
 
 @functools.cache
@@ -250,6 +251,9 @@ def test_qwen_families_have_their_switches(presets: dict[str, DenseModelConfig])
             assert model.qk_norm and model.head_dim == 128 and not model.qkv_bias
         elif name.startswith("qwen2"):
             assert model.family == "qwen2" and model.qkv_bias and not model.qk_norm
+        elif name.startswith("deepseek"):
+            assert model.family == "deepseek_v3"
+            assert model.is_mla and model.is_moe
         else:
             assert model.family == "llama" and not model.qkv_bias and not model.qk_norm
         if name.startswith("llama3_1") or name.startswith("llama3_2"):

@@ -40,12 +40,34 @@ def model_config_from_hf(path: str | Path, keep: DenseModelConfig | None = None)
     family = family_for_hf_config(hf_config, source=str(path))
     cfg = family.config_from_hf(hf_config)
     cfg.preset = Path(path).name
+    if cfg.mtp_num_layers and not _has_tensor_prefix(Path(path), f"model.layers.{cfg.num_layers}."):
+        # transformers' DeepseekV3ForCausalLM writes num_nextn_predict_layers but not the MTP weights: the
+        # model then has no MTP modules (rather than randomly initialised ones mixed into pretrained weights)
+        cfg.mtp_num_layers = 0
     if keep is not None:
         cfg.init_from_hf = keep.init_from_hf
         cfg.init_std = keep.init_std
         cfg.fused_kernels = keep.fused_kernels
         cfg.lora = keep.lora
+        # training knobs config.json does not hold (DeepSeek: MTP loss weight, bias update rate, DSA stage)
+        for name in ("moe_token_dispatcher", "moe_router_bias_update_rate", "mtp_loss_scaling_factor", "dsa_stage",
+                     "indexer_loss_coeff"):
+            setattr(cfg, name, getattr(keep, name))
     return cfg
+
+
+def _has_tensor_prefix(folder: Path, prefix: str) -> bool:
+    """Whether the folder's safetensors name a tensor starting with ``prefix`` (headers only, no weights read)."""
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        return any(k.startswith(prefix) for k in json.loads(index.read_text()).get("weight_map", {}))
+    weights = folder / "model.safetensors"
+    if not weights.is_file():
+        return False
+    from safetensors import safe_open
+
+    with safe_open(weights, framework="pt") as f:
+        return any(k.startswith(prefix) for k in f.keys())  # noqa: SIM118 (safe_open is not a dict)
 
 
 def check_hf_folder(path: str | Path, expect_family: str | None = None) -> None:

@@ -74,24 +74,47 @@ class PretrainTask(Task):
         return gpt
 
     def after_train_step(self, step: int, extra: dict[str, float]) -> dict[str, float]:
-        """MoE: the step's load-balancing loss (megatron's ``load_balancing_loss``: per MoE layer, summed over
-        micro-batches, then averaged over the micro-batches, the MoE layers and data parallelism), unweighted
-        by ``moe_aux_loss_coeff``. Its gradient already reached the router through ``MoEAuxLossAutoScaler``
-        (the pipeline schedule sets its scale); the logged ``loss`` stays the language-model loss."""
+        """MoE: the step's load-balancing loss (megatron's ``load_balancing_loss``, DeepSeek's sequence-wise
+        ``seq_load_balancing_loss``: per MoE layer, summed over micro-batches, then averaged over the
+        micro-batches, the MoE layers and data parallelism), unweighted by ``moe_aux_loss_coeff``. Its gradient
+        already reached the router through ``MoEAuxLossAutoScaler`` (the pipeline schedule sets its scale); the
+        logged ``loss`` stays the language-model loss. Multi-token prediction: ``mtp_loss``, the MTP modules'
+        cross-entropy (mean over modules, micro-batches and DP), whose gradient ``MTPLossAutoScaler`` added."""
         m = self.cfg.model
-        if not m.is_moe or m.moe_aux_loss_coeff <= 0:
-            return {}
-        from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
+        out: dict[str, float] = {}
+        nmb = self.num_train_microbatches(step, self._num_microbatches())
+        if m.is_moe and m.moe_aux_loss_coeff > 0:
+            from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
 
-        tracker = get_moe_metrics_tracker()
-        name = "load_balancing_loss"
-        tracker.ensure_initialized(name, m.num_layers, device=self.accelerator.device(self.layout.local_rank))
-        totals: dict = {}
-        tracker.report(loss_scale=1.0 / self.num_train_microbatches(step, self._num_microbatches()), iteration=step,
-                       track_names=[name], num_layers=m.num_layers, total_loss_dict=totals,
-                       pg_collection=self.layout.pg_collection)
-        value = totals.get(name)
-        return {} if value is None else {"moe_aux_loss": float(value)}
+            tracker = get_moe_metrics_tracker()
+            name = "seq_load_balancing_loss" if m.is_mla else "load_balancing_loss"
+            tracker.ensure_initialized(name, m.num_layers, device=self.accelerator.device(self.layout.local_rank))
+            totals: dict = {}
+            tracker.report(loss_scale=1.0 / nmb, iteration=step, track_names=[name], num_layers=m.num_layers,
+                           total_loss_dict=totals, pg_collection=self.layout.pg_collection)
+            value = totals.get(name)
+            if value is not None:
+                out["moe_aux_loss"] = float(value)
+        if m.mtp_num_layers:
+            out.update(self._mtp_loss(nmb))
+        return out
+
+    def _mtp_loss(self, num_microbatches: int) -> dict[str, float]:
+        # megatron's own reduction averages with ReduceOp.AVG, which gloo lacks: sum over DP and divide here
+        import torch.distributed as dist
+        from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
+
+        tracker = MTPLossLoggingHelper.tracker
+        values = tracker.get("loss_values")
+        if values is None:  # not the last pipeline stage
+            return {}
+        total = values.detach().clone()
+        dp = getattr(self.layout.pg_collection, "dp", None)
+        if dp is not None and dist.get_world_size(dp) > 1:
+            dist.all_reduce(total, group=dp)
+            total /= dist.get_world_size(dp)
+        MTPLossLoggingHelper.clean_metrics_in_tracker()
+        return {"mtp_loss": float(total.mean()) / num_microbatches}
 
     def _num_microbatches(self) -> int:
         from loong.core.engines.megatron import num_microbatches

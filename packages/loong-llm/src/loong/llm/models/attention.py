@@ -24,7 +24,10 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 
 class SDPAttention(MegatronModule):
-    """Causal (grouped-query) attention over [s, b, heads, d] inputs, returning [s, b, heads*d]."""
+    """Causal (grouped-query) attention over [s, b, heads, d] inputs, returning [s, b, heads*d_v].
+
+    ``k_channels``/``v_channels`` (multi-latent attention) may differ: the output has the value width.
+    """
 
     def __init__(
         self,
@@ -36,13 +39,17 @@ class SDPAttention(MegatronModule):
         softmax_scale: float | None = None,
         cp_comm_type: str | None = None,
         pg_collection: Any = None,
+        k_channels: int | None = None,
+        v_channels: int | None = None,
     ) -> None:
         super().__init__(config=config)
         if config.context_parallel_size > 1:
             raise ValueError("SDPAttention does not implement context parallelism; install Transformer Engine")
         self.attn_mask_type = attn_mask_type
         self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
-        self.softmax_scale = softmax_scale or 1.0 / math.sqrt(config.kv_channels)
+        # multi-latent attention passes its own q/k width (nope + rope) and a narrower value width;
+        # SDPA takes value heads of any width, so only the default scale needs the key width
+        self.softmax_scale = softmax_scale or 1.0 / math.sqrt(k_channels or config.kv_channels)
 
     def forward(
         self,

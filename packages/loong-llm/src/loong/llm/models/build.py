@@ -25,12 +25,13 @@ from megatron.core.models.gpt.gpt_layer_specs import (
 )
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
-from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 from megatron.core.utils import get_pg_rank
 
 from loong.core.config.schema import ParallelConfig
+from loong.core.errors import LoongError
 from loong.llm.models.attention import FusedRoPESelfAttention, SDPAttention
-from loong.llm.models.config import DenseModelConfig
+from loong.llm.models.config import DSA_NOT_YET, DenseModelConfig
 from loong.llm.models.fused import FusedKernels, FusedRMSNorm, FusedSwiGLU, resolve_fused_kernels
 from loong.llm.models.gpt import LoongGPTModel
 from loong.llm.models.norm import SPRMSNorm
@@ -71,7 +72,8 @@ def transformer_config(
         expert_model_parallel_size=parallel.ep,
         expert_tensor_parallel_size=parallel.etp,
         # megatron's MoELayer trains with TP > 1 only under sequence parallelism: on for MoE at TP > 1
-        sequence_parallel=(parallel.sequence_parallel or model.is_moe) and parallel.tp > 1,
+        # (and MLA's KV down-projection splits its rope key correctly only under it: deepseek_v3/spec.py)
+        sequence_parallel=(parallel.sequence_parallel or model.is_moe or model.is_mla) and parallel.tp > 1,
         params_dtype=dtype,
         pipeline_dtype=dtype,
         bf16=dtype == torch.bfloat16,
@@ -85,6 +87,16 @@ def transformer_config(
     )
     if model.is_moe:
         kwargs.update(moe_kwargs(model))
+    if model.is_mla:  # DeepSeek-V3 / V3.2 (models/deepseek_v3/spec.py)
+        from loong.llm.models.deepseek_v3.spec import deepseek_moe_kwargs, mla_kwargs
+
+        kwargs.update(mla_kwargs(model))
+        if model.is_moe:
+            kwargs.update(deepseek_moe_kwargs(model))
+        if model.is_dsa:
+            raise LoongError(DSA_NOT_YET)
+        kwargs.update(overrides or {})
+        return MLATransformerConfig(**kwargs)
     kwargs.update(overrides or {})
     return TransformerConfig(**kwargs)
 
@@ -196,8 +208,17 @@ def build_gpt_model(
     # both ways so a config reused for an unfused build gets megatron's own GLU back
     config.use_te_activation_func = fused.swiglu
     sp = config.sequence_parallel and "transformer_engine" not in capabilities
-    spec = _decoder_spec(layer_spec(model, capabilities, fused, sequence_parallel=sp), config, fused,
-                         pg_collection, vp_stage)
+    mtp_spec = None
+    if model.is_mla:
+        from loong.llm.models.deepseek_v3.spec import decoder_block_spec, mtp_block_spec
+
+        if model.is_dsa:
+            raise LoongError(DSA_NOT_YET)
+        spec, last = decoder_block_spec(model, config, capabilities, fused, sp, pg_collection, vp_stage)
+        mtp_spec = mtp_block_spec(model, capabilities, fused, sp, last)
+    else:
+        spec = _decoder_spec(layer_spec(model, capabilities, fused, sequence_parallel=sp), config, fused,
+                             pg_collection, vp_stage)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="GPTModel IS DEPRECATED")
         gpt = LoongGPTModel(  # GPTModel whose RoPE follows position_ids (packed SFT)
@@ -213,9 +234,10 @@ def build_gpt_model(
             rotary_base=int(model.rope_theta),
             pg_collection=pg_collection,
             vp_stage=vp_stage,
+            mtp_block_spec=mtp_spec,
             fused_kernels=fused,
         )
-    if model.rope_scaling is not None:
+    if model.rope_scaling is not None and not model.is_mla:  # MLA: megatron's own (YaRN) rotary embedding
         rope = gpt.rotary_pos_emb
         kv = model.kv_channels
         base = 1.0 / (model.rope_theta ** (torch.arange(0, kv, 2, dtype=torch.float32) / kv))

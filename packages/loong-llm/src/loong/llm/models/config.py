@@ -1,4 +1,5 @@
-"""The schema of a decoder-only model: dense (LLaMA 2/3/3.1, Qwen2/2.5, Qwen3) or mixture-of-experts (Qwen3-MoE)."""
+"""The schema of a decoder-only model: dense (LLaMA 2/3/3.1, Qwen2/2.5, Qwen3) or mixture-of-experts (Qwen3-MoE,
+DeepSeek-V3 with multi-latent attention)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,9 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from loong.core.errors import LoongError
+
+DSA_NOT_YET = ("model.family=deepseek_v32: DeepSeek Sparse Attention (the lightning indexer) is not implemented "
+               "yet; the config translation is, so a DeepSeek-V3.2 folder is recognised")
 
 
 @dataclass
@@ -16,6 +20,20 @@ class RopeScaling:
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+
+
+@dataclass
+class YarnScaling:
+    """YaRN RoPE scaling of multi-latent attention's rope channels (DeepSeek-V3; HF ``rope_type: yarn``):
+    ``beta_fast``/``beta_slow`` bound the interpolation ramp, ``mscale``/``mscale_all_dim`` set the attention
+    temperature (cos/sin times ``m(mscale)/m(mscale_all_dim)``, the softmax scale times ``m(mscale_all_dim)²``)."""
+
+    factor: float = 40.0
+    original_max_position_embeddings: int = 4096
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float = 1.0
+    mscale_all_dim: float = 0.0
 
 
 @dataclass
@@ -43,9 +61,23 @@ class DenseModelConfig:
     ``moe_aux_loss_coeff`` weighs megatron's load-balancing loss (HF ``router_aux_loss_coef``; added to the
     gradient through megatron's ``MoEAuxLossAutoScaler``, logged as ``moe_aux_loss``),
     ``moe_token_dispatcher`` is megatron's token dispatcher (``alltoall`` or ``allgather``; both run on gloo).
+
+    DeepSeek-V3 (``family=deepseek_v3``, ``deepseek_v32``; see docs/moe.md): multi-latent attention when
+    ``kv_lora_rank`` is set (``q_lora_rank`` None = a direct query projection; ``qk_nope_head_dim`` +
+    ``qk_rope_head_dim`` per query/key head, ``v_head_dim`` per value head); ``moe_shared_experts`` shared SwiGLU
+    experts of ``moe_ffn_hidden_size`` each; ``first_k_dense_replace`` dense first layers;
+    ``moe_router_score_function=sigmoid`` with ``moe_router_enable_expert_bias`` (aux-loss-free balancing, bias
+    moved by ``moe_router_bias_update_rate`` per step), group-limited routing (``moe_router_num_groups``,
+    ``moe_router_group_topk``), ``moe_routed_scaling_factor``; ``mtp_num_layers`` multi-token-prediction modules
+    whose loss, times ``mtp_loss_scaling_factor``, joins the gradient (megatron's ``MTPLossAutoScaler``).
+    DeepSeek-V3.2's sparse attention (DSA; its config keys are read and written, the attention itself is not
+    implemented yet, see ``DSA_NOT_YET``): a lightning indexer of ``index_n_heads`` × ``index_head_dim`` picks
+    ``index_topk`` keys per query; ``dsa_stage`` is ``dense_warmup`` (full attention, only the indexer learns,
+    from a KL to the attention distribution) or ``sparse`` (attention over the selected keys, the indexer's KL
+    over them too); ``indexer_loss_coeff`` weighs the indexer loss.
     """
 
-    family: Literal["llama", "qwen2", "qwen3", "qwen3_moe"] = "llama"
+    family: Literal["llama", "qwen2", "qwen3", "qwen3_moe", "deepseek_v3", "deepseek_v32"] = "llama"
     preset: str = "custom"
     num_layers: int = 2
     hidden_size: int = 64
@@ -57,6 +89,7 @@ class DenseModelConfig:
     max_position_embeddings: int = 2048
     rope_theta: float = 10000.0
     rope_scaling: RopeScaling | None = None
+    rope_yarn: YarnScaling | None = None
     norm_eps: float = 1e-5
     tie_word_embeddings: bool = False
     qkv_bias: bool = False
@@ -70,6 +103,26 @@ class DenseModelConfig:
     norm_topk_prob: bool = True
     moe_aux_loss_coeff: float = 0.001
     moe_token_dispatcher: Literal["alltoall", "allgather"] = "alltoall"
+    q_lora_rank: int | None = None
+    kv_lora_rank: int | None = None
+    qk_nope_head_dim: int = 128
+    qk_rope_head_dim: int = 64
+    v_head_dim: int = 128
+    moe_shared_experts: int = 0
+    first_k_dense_replace: int = 0
+    moe_router_score_function: Literal["softmax", "sigmoid"] = "softmax"
+    moe_router_enable_expert_bias: bool = False
+    moe_router_bias_update_rate: float = 1e-3
+    moe_router_num_groups: int | None = None
+    moe_router_group_topk: int | None = None
+    moe_routed_scaling_factor: float | None = None
+    mtp_num_layers: int = 0
+    mtp_loss_scaling_factor: float = 0.1
+    index_n_heads: int = 64
+    index_head_dim: int = 128
+    index_topk: int = 2048
+    dsa_stage: Literal["dense_warmup", "sparse"] = "sparse"
+    indexer_loss_coeff: float = 1.0
     lora: LoraConfig = field(default_factory=LoraConfig)
     extra: dict = field(default_factory=dict)
 
@@ -85,22 +138,56 @@ class DenseModelConfig:
     def expert_ffn_hidden_size(self) -> int:
         return self.moe_ffn_hidden_size or self.ffn_hidden_size
 
+    @property
+    def is_mla(self) -> bool:
+        """Multi-latent attention (DeepSeek-V3): keys and values come from a ``kv_lora_rank`` latent."""
+        return self.kv_lora_rank is not None
+
+    @property
+    def is_dsa(self) -> bool:
+        """DeepSeek-V3.2's sparse attention: MLA plus the lightning indexer."""
+        return self.family == "deepseek_v32"
+
+    @property
+    def num_dense_layers(self) -> int:
+        """Leading layers with a dense MLP (``first_k_dense_replace``; all of them for a dense model)."""
+        return min(self.first_k_dense_replace, self.num_layers) if self.is_moe else self.num_layers
+
+    def _attention_parameters(self) -> int:
+        d, h = self.hidden_size, self.num_attention_heads
+        if not self.is_mla:
+            q = h * self.kv_channels
+            kv = self.num_query_groups * self.kv_channels
+            attn = d * (q + 2 * kv) + q * d + (q + 2 * kv if self.qkv_bias else 0)
+            return attn + (2 * self.kv_channels if self.qk_norm else 0)
+        qk = self.qk_nope_head_dim + self.qk_rope_head_dim
+        r, c = self.q_lora_rank, self.kv_lora_rank
+        q = d * h * qk if r is None else d * r + r + r * h * qk  # (down, norm, up) or direct
+        kv = d * (c + self.qk_rope_head_dim) + c + c * h * (self.qk_nope_head_dim + self.v_head_dim)
+        attn = q + kv + h * self.v_head_dim * d
+        if self.is_dsa:  # the lightning indexer: wq_b from the q latent, wk + its LayerNorm, head weights
+            ih, idim = self.index_n_heads, self.index_head_dim
+            attn += (r or d) * ih * idim + d * idim + 2 * idim + d * ih
+        return attn
+
     def num_parameters(self, active: bool = False) -> int:
-        """Parameter count (embeddings included once when tied); ``active``: only the ``moe_router_topk``
-        experts a token runs through (what its FLOPs see)."""
+        """Parameter count (embeddings included once when tied; multi-token-prediction modules included);
+        ``active``: only the ``moe_router_topk`` routed experts a token runs through (what its FLOPs see)."""
         d, f, v = self.hidden_size, self.ffn_hidden_size, self.vocab_size
-        q = self.num_attention_heads * self.kv_channels
-        kv = self.num_query_groups * self.kv_channels
-        attn = d * (q + 2 * kv) + q * d + (q + 2 * kv if self.qkv_bias else 0)
-        attn += 2 * self.kv_channels if self.qk_norm else 0
+        attn = self._attention_parameters()
+        dense_mlp = 3 * d * f
+        moe_mlp = 0
         if self.is_moe:
+            fe = self.expert_ffn_hidden_size
             experts = self.moe_router_topk if active else self.num_experts
-            mlp = experts * 3 * d * self.expert_ffn_hidden_size + self.num_experts * d  # + router
-        else:
-            mlp = 3 * d * f
-        layer = attn + mlp + 2 * d
+            moe_mlp = (experts + self.moe_shared_experts) * 3 * d * fe + self.num_experts * d  # + router
+        n_dense = self.num_dense_layers
+        layers = n_dense * (attn + dense_mlp + 2 * d) + (self.num_layers - n_dense) * (attn + moe_mlp + 2 * d)
+        # an MTP module: two norms, the [2d -> d] projection, one (MoE, when the model has experts) layer and
+        # its final norm; it shares the embedding and the output layer
+        mtp = self.mtp_num_layers * (3 * d + 2 * d * d + attn + (moe_mlp if self.is_moe else dense_mlp) + 2 * d)
         emb = v * d * (1 if self.tie_word_embeddings else 2)
-        return self.num_layers * layer + emb + d
+        return layers + mtp + emb + d
 
     def validate(self, path: str) -> None:
         """Checks that do not depend on the layout (those are in :func:`check_model_layout`)."""
@@ -115,8 +202,18 @@ class DenseModelConfig:
             if self.num_experts < 1 or not 1 <= self.moe_router_topk <= self.num_experts:
                 raise LoongError(f"{path}: moe_router_topk={self.moe_router_topk} must be in 1..num_experts="
                                  f"{self.num_experts}")
-        elif self.family == "qwen3_moe":
-            raise LoongError(f"{path}: family=qwen3_moe needs num_experts")
+        elif self.family in ("qwen3_moe", "deepseek_v3", "deepseek_v32"):
+            raise LoongError(f"{path}: family={self.family} needs num_experts")
+        if self.family in ("deepseek_v3", "deepseek_v32") and not self.is_mla:
+            raise LoongError(f"{path}: family={self.family} needs kv_lora_rank (multi-latent attention)")
+        if self.moe_router_num_groups is not None and self.is_moe:
+            g, k = self.moe_router_num_groups, self.moe_router_group_topk or 0
+            if self.num_experts % g or not 1 <= k <= g or self.moe_router_topk % k:
+                raise LoongError(f"{path}: group-limited routing needs moe_router_num_groups={g} to divide "
+                                 f"num_experts={self.num_experts} and moe_router_group_topk={k} in 1..{g} to "
+                                 f"divide moe_router_topk={self.moe_router_topk}")
+        if self.is_dsa:
+            raise LoongError(f"{path}: {DSA_NOT_YET}")
 
 
 def training_flops_per_token(model: DenseModelConfig, seq_length: int) -> float:
@@ -127,6 +224,13 @@ def training_flops_per_token(model: DenseModelConfig, seq_length: int) -> float:
     Megatron-LM and torchtitan do, so MFU figures compare across frameworks.
     """
     n = model.num_parameters(active=True) - (0 if model.tie_word_embeddings else model.vocab_size * model.hidden_size)
+    if model.is_mla:  # q·k over qk_nope + qk_rope channels, p·v over v_head_dim
+        width = model.qk_nope_head_dim + model.qk_rope_head_dim + model.v_head_dim
+        keys = min(seq_length, model.index_topk) if model.is_dsa and model.dsa_stage == "sparse" else seq_length
+        attn = 6 * (model.num_layers + model.mtp_num_layers) * model.num_attention_heads * width * keys
+        if model.is_dsa:  # the indexer's scores over every earlier key
+            attn += 6 * model.num_layers * model.index_n_heads * model.index_head_dim * seq_length
+        return 6.0 * n + attn
     attn = 12 * model.num_layers * model.num_attention_heads * model.kv_channels * seq_length
     return 6.0 * n + attn
 
@@ -138,6 +242,9 @@ def check_model_layout(model: DenseModelConfig, tp: int, pp: int, seq_length: in
         raise LoongError(
             f"parallel.tp={tp} does not divide the model's {model.num_attention_heads} attention heads"
         )
+    if model.is_mla and model.mtp_num_layers and pp > 1:
+        raise LoongError(f"parallel.pp={pp}: multi-token prediction (mtp_num_layers={model.mtp_num_layers}) is "
+                         "only supported without pipeline parallelism so far")
     if model.num_query_groups % tp:
         raise LoongError(f"parallel.tp={tp} does not divide the model's {model.num_query_groups} KV heads")
     if model.ffn_hidden_size % tp:

@@ -1,4 +1,5 @@
-"""Hugging Face <-> Loong weights for the dense and Qwen3-MoE families: pure tensor rearrangement, dtypes kept.
+"""Hugging Face <-> Loong weights for the dense and Qwen3-MoE families (DeepSeek-V3/V3.2: ``deepseek_v3/mapping.py``):
+pure tensor rearrangement, dtypes kept.
 
 Loong's side is keyed like :func:`loong.core.state.gather_full_state` (megatron sharded keys, layers
 stacked on a leading axis). The mapping is exactly invertible: HF -> Loong -> HF is bit-exact.
@@ -48,6 +49,10 @@ _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 def native_shapes(cfg: DenseModelConfig) -> dict[str, tuple[int, ...]]:
     """The whole-tensor shape of every native key for ``cfg``."""
+    if cfg.is_mla:  # DeepSeek-V3 / V3.2: per-layer keys, their own mapping
+        from loong.llm.models.deepseek_v3 import mapping
+
+        return mapping.native_shapes(cfg)
     n, d, f, v, hd = cfg.num_layers, cfg.hidden_size, cfg.ffn_hidden_size, cfg.vocab_size, cfg.kv_channels
     q, qkv = cfg.num_attention_heads * hd, (cfg.num_attention_heads + 2 * cfg.num_query_groups) * hd
     shapes = {
@@ -128,6 +133,10 @@ def hf_to_native(hf_state: Mapping[str, Tensor], cfg: DenseModelConfig) -> dict[
     Raises LoongError for missing tensors, unexpected ones (e.g. a bias the family does not have) and
     shapes that do not match ``cfg``.
     """
+    if cfg.is_mla:
+        from loong.llm.models.deepseek_v3 import mapping
+
+        return mapping.hf_to_native(hf_state, cfg)
     src = {k: v for k, v in hf_state.items() if not k.endswith(_IGNORED_SUFFIXES)}
 
     def take(key: str) -> Tensor:
@@ -186,6 +195,10 @@ def hf_to_native(hf_state: Mapping[str, Tensor], cfg: DenseModelConfig) -> dict[
 
 def native_to_hf(native: Mapping[str, Tensor], cfg: DenseModelConfig) -> dict[str, Tensor]:
     """Inverse of :func:`hf_to_native`. Returned tensors may be views of ``native``'s tensors."""
+    if cfg.is_mla:
+        from loong.llm.models.deepseek_v3 import mapping
+
+        return mapping.native_to_hf(native, cfg)
     _check_shapes(native, cfg, "Loong model state")
     out: dict[str, Tensor] = {"model.embed_tokens.weight": native[_EMB], "model.norm.weight": native[_FINAL]}
     if not cfg.tie_word_embeddings:
@@ -211,9 +224,10 @@ def native_to_hf(native: Mapping[str, Tensor], cfg: DenseModelConfig) -> dict[st
 
 def families() -> dict[str, HFFamily]:
     """Every supported family, by ``DenseModelConfig.family`` name."""
-    from loong.llm.models import llama, qwen2, qwen3, qwen3_moe
+    from loong.llm.models import deepseek_v3, deepseek_v32, llama, qwen2, qwen3, qwen3_moe
 
-    return {f.name: f for f in (llama.FAMILY, qwen2.FAMILY, qwen3.FAMILY, qwen3_moe.FAMILY)}
+    fams = (llama.FAMILY, qwen2.FAMILY, qwen3.FAMILY, qwen3_moe.FAMILY, deepseek_v3.FAMILY, deepseek_v32.FAMILY)
+    return {f.name: f for f in fams}
 
 
 def family_by_name(name: str) -> HFFamily:
