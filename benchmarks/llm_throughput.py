@@ -1,9 +1,18 @@
 """LLM training throughput on one GPU: Hugging Face transformers (eager, compiled) against Loong (bf16, FP8).
 
 Every row trains the same LLaMA-shaped model (default: the ``llama3_2_1b`` preset, 1.24B parameters,
-tied embeddings) on the same data — the corpus loong-llm ships, tokenised by its tiny BPE, in the same
-sample order (loong-llm's seeded sampler) — with the same AdamW, warm-up + cosine learning rate, weight
-decay and gradient clipping, each in its own process (clean memory statistics). Rows:
+tied embeddings) on the same data, tokenised by loong-llm's tiny BPE, in the same sample order (loong-llm's
+seeded sampler), with the same AdamW, warm-up + cosine learning rate, weight decay and gradient clipping,
+each in its own process (clean memory statistics). The data (``--data``):
+
+- ``stdlib`` (default): the Python standard library's own source (``*.py`` outside test folders, sorted
+  by path; about 12 MB), one document per file. It is on every machine, so nothing is downloaded, and it
+  is large enough that 200 steps of 16K tokens stay inside one epoch: loss curves are smooth and a
+  perturbation (FP8 rounding, a nondeterministic kernel) does not send them apart.
+- ``shipped``: the small corpus loong-llm ships (about 37 windows of 4096 tokens). 200 steps are about 20
+  epochs of it; two identical bf16 runs end 7% apart there (docs/performance.md).
+
+Rows:
 
 - ``hf_eager``: ``LlamaForCausalLM`` with SDPA attention, fp32 weights under bf16 autocast, fused AdamW
   (what ``Trainer(bf16=True)`` does); ``hf_compile``: the same model under ``torch.compile``.
@@ -47,7 +56,24 @@ ROWS: dict[str, str] = {
     "loong_bf16": "Loong bf16",
     **{f"loong_fp8_{r}": f"Loong FP8 {r}" for r in FP8_RECIPES},
 }
-SETTINGS = ("preset", "seq", "mbs", "gbs", "steps", "lr", "min_lr", "lr_warmup")
+SETTINGS = ("preset", "seq", "mbs", "gbs", "steps", "lr", "min_lr", "lr_warmup", "data")
+
+
+def stdlib_corpus(out: Path) -> dict:
+    """Write the Python standard library's source as JSONL (one file per line, sorted); returns its facts."""
+    import hashlib
+    import sysconfig
+
+    root = Path(sysconfig.get_paths()["stdlib"])
+    files = sorted(f for f in root.rglob("*.py")
+                   if not {"test", "tests", "idle_test", "site-packages"} & set(f.relative_to(root).parts))
+    digest = hashlib.sha256()
+    with out.open("w") as fh:
+        for f in files:
+            text = f.read_text(encoding="utf-8", errors="replace")
+            digest.update(text.encode())
+            fh.write(json.dumps({"text": text}) + "\n")
+    return {"source": str(root), "files": len(files), "bytes": out.stat().st_size, "sha256": digest.hexdigest()}
 
 
 def _loss_summary(losses: list[float]) -> dict:
@@ -63,7 +89,7 @@ def _loong(args: argparse.Namespace, out: Path, overrides: tuple[str, ...] = (),
            "train.eval_interval=0", "train.progress=false", "train.save_final=false",
            f"train.lr={getattr(args, 'lr', 3e-4)}", f"train.min_lr={getattr(args, 'min_lr', 3e-5)}",
            f"train.warmup_steps={getattr(args, 'lr_warmup', 5)}", f"output_dir={out}", f"run_name={run_name}",
-           *overrides]
+           *([f"data.path={args.data_path}"] if getattr(args, "data_path", None) else []), *overrides]
     t0 = time.time()
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode:
@@ -136,7 +162,7 @@ def _hf_worker(args: argparse.Namespace) -> None:
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}],
                             lr=args.lr, betas=(0.9, 0.95), eps=1e-8, fused=gpu)
 
-    path = packaged_corpus_path()
+    path = Path(args.data_path) if args.data_path else packaged_corpus_path()
     tokens = tokenize_corpus(path, load_tokenizer(None), d.format, d.text_field)
     train, _ = split_stream(tokens, args.seq, d.valid_fraction, str(path))
     sampler = GlobalBatchSampler(len(train), cfg.train.seed)
@@ -174,7 +200,8 @@ def _hf_worker(args: argparse.Namespace) -> None:
 
 def _hf(args: argparse.Namespace, compile_: bool) -> dict:
     cmd = [sys.executable, __file__, "--hf-worker", *(["--compile"] if compile_ else []),
-           *[f"--{k.replace('_', '-')}={getattr(args, k)}" for k in (*SETTINGS, "warmup")]]
+           *[f"--{k.replace('_', '-')}={getattr(args, k)}" for k in (*SETTINGS, "warmup")],
+           *([f"--data-path={args.data_path}"] if args.data_path else [])]
     t0 = time.time()
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode:
@@ -264,6 +291,8 @@ def main() -> None:
     p.add_argument("--min-lr", type=float, default=3e-5)
     p.add_argument("--lr-warmup", type=int, default=20, help="learning-rate warm-up steps")
     p.add_argument("--warmup", type=int, default=10, help="steps left out of the throughput figures")
+    p.add_argument("--data", choices=["stdlib", "shipped"], default="stdlib", help="see the module docstring")
+    p.add_argument("--data-path", default=None, help=argparse.SUPPRESS)
     p.add_argument("--rows", nargs="+", default=list(ROWS), choices=list(ROWS))
     p.add_argument("--profile", type=int, nargs=2, metavar=("START", "END"), default=None,
                    help="torch.profiler over these steps of every Loong row; top operators go into the JSON")
@@ -281,11 +310,18 @@ def main() -> None:
     commands: list[str] = []
     if args.merge:
         earlier = json.loads(Path(args.merge).read_text())
-        differ = {k: (earlier["args"][k], getattr(args, k)) for k in SETTINGS if earlier["args"][k] != getattr(args, k)}
+        # files from before --data existed were measured on the shipped corpus
+        before = {**earlier["args"], "data": earlier["args"].get("data", "shipped")}
+        differ = {k: (before[k], getattr(args, k)) for k in SETTINGS if before[k] != getattr(args, k)}
         if differ:
             p.error(f"--merge {args.merge}: settings differ (earlier, now): {differ}")
         rows, commands = earlier["rows"], earlier["commands"]
+    corpus = None
     with tempfile.TemporaryDirectory() as tmp:
+        if args.data == "stdlib":
+            args.data_path = str(Path(tmp) / "stdlib.jsonl")
+            corpus = stdlib_corpus(Path(args.data_path))
+            print(f"data: {corpus['files']} files of the Python standard library, {corpus['bytes'] / 1e6:.1f} MB")
         for name in args.rows:
             print(f"running {name} ...", flush=True)
             rows[name] = _run_row(name, args, Path(tmp))
@@ -301,7 +337,8 @@ def main() -> None:
     tag = (hw.get("gpu") or "cpu").split()[-1].lower()
     out = Path(args.merge or args.out or RESULTS / f"llm_throughput_{tag}_{args.preset}_{time.strftime('%Y%m%d')}.json")
     result = {"benchmark": "llm_throughput", "date": time.strftime("%Y-%m-%d"), "commands": [*commands, command],
-              "args": {k: v for k, v in vars(args).items() if k not in ("hf_worker", "compile", "merge")},
+              "args": {k: v for k, v in vars(args).items() if k not in ("hf_worker", "compile", "merge", "data_path")},
+              "corpus": corpus or (earlier.get("corpus") if args.merge else None),
               "versions": versions(["torch", "megatron-core", "transformers", "triton", "loong-core",
                                     "loong-kernels", "loong-llm"]),
               "hardware": hw, "table": lines, "targets": targets, "rows": rows}
