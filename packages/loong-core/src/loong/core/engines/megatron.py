@@ -20,6 +20,11 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.transformer.module import Float16Module
 
 from loong.core.accelerators.base import Accelerator
+from loong.core.checkpoint.optimizer import (
+    load_merged_state_dict,
+    match_saved_keys,
+    merged_sharded_state_dict,
+)
 from loong.core.config.schema import RunConfig
 from loong.core.engines.base import Engine, StepMetrics
 from loong.core.errors import LoongError
@@ -28,6 +33,10 @@ from loong.core.precision import apply_fp8, check_precision
 from loong.core.registry import ENGINES
 from loong.core.state import unwrap
 from loong.core.task import Task
+
+#: Common (non-sharded) entry of every checkpoint: the layout it was written at (EP/ETP are not in
+#: ``trainer_state.json``'s layout).
+LAYOUT_KEY = "loong_layout"
 
 
 def resolve_dtype(precision: str, accelerator: Accelerator) -> torch.dtype:
@@ -223,14 +232,29 @@ class MegatronEngine(Engine):
         return {f"model{i}": m.sharded_state_dict() for i, m in enumerate(bare)}
 
     def _optimizer_sd(self, model_sd: dict, is_loading: bool) -> dict:
-        # Without the distributed optimiser, state is keyed per parameter by the model's sharded
-        # keys, so it reshards across any TP/PP/DP change. The distributed optimiser uses
+        # The plain optimiser: one entry per parameter keyed by the model's sharded keys, whatever
+        # megatron's split into a dense and an expert optimiser (EP > 1), so it reshards across any
+        # TP/PP/DP/EP change (loong.core.checkpoint.optimizer). The distributed optimiser uses
         # 'dp_reshardable' (DP changes only): in megatron-core 0.19.2 without Apex/TE its
         # layout-free formats fail ('fully_sharded_model_space' builds flattened ShardedTensors its
         # own validation rejects; loading 'fully_reshardable' raises KeyError 'step').
+        if not self.cfg.train.distributed_optimizer:
+            return merged_sharded_state_dict(self.optimizer, model_sd, is_loading)
         return self.optimizer.sharded_state_dict(
             model_sd, is_loading=is_loading, metadata={"distrib_optim_sharding_type": "dp_reshardable"}
         )
+
+    def _layout_record(self) -> dict:
+        """The layout facts a resume needs that ``trainer_state.json`` lacks (common, non-sharded)."""
+        p = self.layout.config
+        return {"ep": p.ep, "etp": p.etp or p.tp, "tp": p.tp, "pp": p.pp,
+                "distributed_optimizer": self.cfg.train.distributed_optimizer}
+
+    def _state_to_save(self) -> dict:
+        sd = self._model_sd()
+        sd["optimizer"] = self._optimizer_sd(sd, is_loading=False)
+        sd[LAYOUT_KEY] = self._layout_record()
+        return sd
 
     def check_resume_layout(self, saved: dict) -> None:
         """Fail clearly when the optimiser state saved under ``saved`` cannot load at this layout."""
@@ -249,16 +273,13 @@ class MegatronEngine(Engine):
             )
 
     def save(self, directory: Path) -> None:
-        sd = self._model_sd()
-        sd["optimizer"] = self._optimizer_sd(sd, is_loading=False)
-        dist_checkpointing.save(sd, str(directory))
+        dist_checkpointing.save(self._state_to_save(), str(directory))
 
     def save_async(self, directory: Path):  # noqa: ANN201
         """Start writing the shards in the background; returns megatron-core's ``AsyncRequest``."""
-        sd = self._model_sd()
-        sd["optimizer"] = self._optimizer_sd(sd, is_loading=False)
         # megatron-core's own async writer ('mcore'); 'nvrx' needs nvidia-resiliency-ext.
-        return dist_checkpointing.save(sd, str(directory), async_sharded_save=True, async_strategy="mcore")
+        return dist_checkpointing.save(self._state_to_save(), str(directory), async_sharded_save=True,
+                                       async_strategy="mcore")
 
     def loss_scale(self) -> float:
         """The optimiser's current loss scale (1.0 without fp16 dynamic scaling)."""
@@ -282,21 +303,69 @@ class MegatronEngine(Engine):
             for g, lr in zip(opt.optimizer.param_groups, lrs, strict=True):
                 g["lr"] = lr
 
+    def _check_distributed_optimizer_layout(self, directory: Path, saved: set[str]) -> None:
+        """The distributed optimiser's 'dp_reshardable' state is laid out per expert-parallel rank:
+        refuse an EP/ETP change clearly instead of failing inside megatron-core."""
+        record = dist_checkpointing.load_common_state_dict(str(directory)).get(LAYOUT_KEY)
+        p = self.layout.config
+        now = (p.ep, p.etp or p.tp)
+        if record is not None:
+            then = (record.get("ep"), record.get("etp"))
+        else:  # written before the record: a separate expert optimiser (chained_1.) means EP > 1
+            experts_then = any(k.startswith("chained_1.") for k in saved)
+            experts_now = len(getattr(self.optimizer, "chained_optimizers", [])) > 1
+            if experts_then == experts_now:
+                return
+            then = ("> 1" if experts_then else 1, "?")
+        if then != now:
+            raise LoongError(
+                f"the checkpoint was saved at ep={then[0]} etp={then[1]} with the distributed optimiser, "
+                f"whose state reshards only across data parallelism; resume at that ep/etp (now ep={now[0]} "
+                f"etp={now[1]}), or train with train.distributed_optimizer=false to change ep/etp/tp/pp"
+            )
+
+    def _restore_adam_steps(self) -> None:
+        """Give torch Adam's per-parameter ``step`` the loaded step of its group (distributed optimiser).
+
+        megatron-core 0.19.2 loads the step into ``param_groups`` (TE FusedAdam's place) and sets it
+        per parameter, but its 'dp_reshardable' parameter state then copies the *current* per-parameter
+        step back over it — the 1 of :meth:`_materialise_optimizer_state`'s dummy step — so torch Adam's
+        bias correction restarted after every resume. One tensor per parameter: torch's foreach Adam
+        increments each listed step tensor.
+        """
+        for opt in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
+            inner = getattr(opt, "optimizer", None)
+            if inner is None:
+                continue
+            for group in inner.param_groups:
+                if group.get("step") is None:
+                    continue
+                for param in group["params"]:
+                    state = inner.state.get(param)
+                    if state and isinstance(state.get("step"), torch.Tensor):
+                        old = state["step"]
+                        state["step"] = torch.tensor(float(group["step"]), dtype=old.dtype, device=old.device)
+
     def load(self, directory: Path, load_optimizer: bool = True, allow_missing: bool = False) -> None:
         sd = self._model_sd()
         absent: set[str] = set()
+        saved = set(dist_checkpointing.load_tensors_metadata(str(directory)))
         if allow_missing:
             # A weights-only checkpoint (e.g. converted from HF) lacks what this run adds, such as
             # LoRA adapters: load what it has and keep the fresh initialisation of the rest.
-            saved = set(dist_checkpointing.load_tensors_metadata(str(directory)))
             for chunk_sd in sd.values():
                 for name in [n for n, v in chunk_sd.items() if getattr(v, "key", None) not in saved]:
                     if hasattr(chunk_sd[name], "key"):
                         absent.add(name)
                         del chunk_sd[name]
+        dist_opt = self.cfg.train.distributed_optimizer
         if load_optimizer:
+            if dist_opt:
+                self._check_distributed_optimizer_layout(directory, saved)
             self._materialise_optimizer_state()
             sd["optimizer"] = self._optimizer_sd(sd, is_loading=True)
+            if not dist_opt:
+                match_saved_keys(sd["optimizer"], saved)  # older EP > 1 checkpoints: chained_<i>. keys
         loaded = dist_checkpointing.load(sd, str(directory))
         for key, chunk in zip(self._model_sd(), self.model_chunks, strict=True):
             result = unwrap(chunk).load_state_dict(loaded[key], strict=not absent)
@@ -308,7 +377,11 @@ class MegatronEngine(Engine):
             # With fp32 params the distributed optimiser's main shards are views of the model's
             # leaf parameters; loading in-place needs autograd off.
             with torch.no_grad():
-                self.optimizer.load_state_dict(loaded["optimizer"])
+                if dist_opt:
+                    self.optimizer.load_state_dict(loaded["optimizer"])
+                    self._restore_adam_steps()
+                else:
+                    load_merged_state_dict(self.optimizer, loaded["optimizer"])
 
     def scheduler_state(self) -> dict:
         """Scheduler counters (saved in ``trainer_state.json``)."""
