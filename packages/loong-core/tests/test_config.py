@@ -46,8 +46,10 @@ PUBLISHED_SIZES = {
     "qwen3_32b": 32.8e9,
     "qwen3_30b_a3b": 30.5e9,  # MoE: total parameters (3.3B active)
     "deepseek_v3": 671e9,  # 37B active; counted with its MTP module (685B), see loong-llm's test_deepseek_v3
+    "deepseek_v3_2": 671e9,  # V3 + 0.85B of lightning indexers; with MTP ~684B, see loong-llm's test_deepseek_v32
 }
-REDUCED_PRESETS = {"tiny", "qwen3_30b_a3b_4l", "deepseek_v3_4l"}  # shapes of our own, no published size
+# shapes of our own, no published size
+REDUCED_PRESETS = {"tiny", "qwen3_30b_a3b_4l", "deepseek_v3_4l", "deepseek_v3_2_4l"}
 
 
 @functools.cache
@@ -252,7 +254,7 @@ def test_qwen_families_have_their_switches(presets: dict[str, DenseModelConfig])
         elif name.startswith("qwen2"):
             assert model.family == "qwen2" and model.qkv_bias and not model.qk_norm
         elif name.startswith("deepseek"):
-            assert model.family == "deepseek_v3"
+            assert model.family == ("deepseek_v32" if name.startswith("deepseek_v3_2") else "deepseek_v3")
             assert model.is_mla and model.is_moe
         else:
             assert model.family == "llama" and not model.qkv_bias and not model.qk_norm

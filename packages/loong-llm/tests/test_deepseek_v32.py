@@ -1,52 +1,391 @@
-"""DeepSeek-V3.2: what exists so far — its config.json translation (DeepSeek-V3's plus the lightning indexer's
-fields, both ways) and a one-line error, before anything heavy, where a model would need the sparse attention."""
+"""DeepSeek-V3.2 (DeepSeek Sparse Attention): parity with transformers' ``DeepseekV32ForCausalLM`` (fp32 CPU, tiny
+random model, YaRN, 1 dense + 2 MoE layers) with ``index_topk`` below the sequence length (sparse) and above it
+(dense-equivalent); the absorbed (MQA-form) attention equals HF's MHA form; the indexer loss in both stages against
+a plain-PyTorch transcription of the paper's formula (value and indexer gradient); the HF mapping and an export
+transformers loads; the config translation; the presets; and TP=2 (sequence parallel) reproducing one rank's loss
+and gradients (one 2-process gloo launch, ``workers/deepseek_v32_layouts.py``)."""
 
 from __future__ import annotations
 
 import dataclasses
+import json
+from pathlib import Path
 
 import pytest
-from transformers import DeepseekV32Config
+import torch
+from transformers import AutoModelForCausalLM, DeepseekV32Config
 
+from loong.core.accelerators import select_accelerator
+from loong.core.config import compose_config
 from loong.core.config.schema import ParallelConfig
 from loong.core.errors import LoongError
-from loong.llm.models.build import transformer_config
+from loong.core.parallel import world
+from loong.core.state import gather_full_state, load_full_state
+from loong.llm.hf import model_config_from_hf
+from loong.llm.hf_io import read_hf_folder, write_hf_folder
+from loong.llm.models.build import build_gpt_model, transformer_config
 from loong.llm.models.config import training_flops_per_token
-from loong.llm.models.hf_mapping import family_for_hf_config
+from loong.llm.models.deepseek_v32.indexer import _TRACKER, IndexerLossAutoScaler, clear_indexer_loss_tracker
+from loong.llm.models.hf_mapping import family_for_hf_config, hf_to_native, native_to_hf
+from loong.llm.schema import LLMRunConfig
+
+TOL = 1e-5
+SEQ = 40
+WORKER = Path(__file__).parent / "workers" / "deepseek_v32_layouts.py"
 
 
-def tiny_v32_hf() -> dict:
-    return DeepseekV32Config(
-        vocab_size=256, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=3,
-        num_attention_heads=4, num_key_value_heads=4, n_shared_experts=1, n_routed_experts=8, kv_lora_rank=16,
-        q_lora_rank=32, qk_rope_head_dim=8, v_head_dim=12, qk_nope_head_dim=16, n_group=4, topk_group=2,
-        num_experts_per_tok=4, first_k_dense_replace=1, index_topk=8, index_head_dim=16, index_n_heads=2,
-    ).to_dict()
+def tiny_v32_config(vocab: int = 256, topk: int = 12, **kw) -> DeepseekV32Config:
+    """DeepSeek-V3 at toy width plus an indexer of 8 heads × 16 channels (8 of them roped) keeping ``topk`` keys."""
+    args = dict(
+        vocab_size=vocab, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=4, n_shared_experts=1, n_routed_experts=8,
+        routed_scaling_factor=2.5, kv_lora_rank=16, q_lora_rank=32, qk_rope_head_dim=8, v_head_dim=12,
+        qk_nope_head_dim=16, n_group=4, topk_group=2, num_experts_per_tok=4, first_k_dense_replace=1,
+        index_topk=topk, index_head_dim=16, index_n_heads=8, max_position_embeddings=256, rms_norm_eps=1e-6,
+        rope_parameters={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, "mscale": 1.0,
+                         "mscale_all_dim": 0.7, "beta_fast": 32, "beta_slow": 1, "rope_theta": 10000.0},
+    )
+    args.update(kw)
+    return DeepseekV32Config(**args)
 
+
+@torch.no_grad()
+def randomize(tensors, seed: int) -> None:
+    """Norm weights near 1 (LayerNorm biases near 0), large router weights (no near-tie in the expert top-k), a
+    non-zero expert bias, small everything else."""
+    g = torch.Generator().manual_seed(seed)
+    for name, t in tensors:
+        noise = torch.randn(t.shape, generator=g, dtype=torch.float32)
+        if "norm" in name:
+            t.copy_(0.1 * noise if name.endswith("bias") else 1.0 + 0.2 * noise)
+        elif "e_score_correction_bias" in name or "expert_bias" in name:
+            t.copy_(0.05 * noise)
+        elif "gate.weight" in name or "router" in name:
+            t.copy_(0.5 * noise)
+        else:
+            t.copy_(0.05 * noise)
+
+
+def _weights(model):
+    return [*model.named_parameters(), *((n, b) for n, b in model.named_buffers() if "e_score_correction_bias" in n)]
+
+
+def _hf_model(folder: Path, **kw):
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_v32_config(**kw), dtype=torch.float32, attn_implementation="eager")
+    randomize(_weights(model), seed=2)
+    model.save_pretrained(folder)
+    return model.eval()
+
+
+@pytest.fixture(scope="module")
+def hf_sparse(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("hf") / "v32"
+    return _hf_model(folder), folder
+
+
+@pytest.fixture
+def cpu():
+    acc = select_accelerator("cpu")
+    with world(acc) as layout:
+        yield acc, layout
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).abs().max() / b.abs().max()).item()
+
+
+def _loong(cpu, model_cfg):
+    acc, layout = cpu
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    model_parallel_cuda_manual_seed(0)
+    tc = transformer_config(model_cfg, ParallelConfig(), torch.float32, {"use_cpu_initialization": True})
+    return build_gpt_model(model_cfg, tc, acc.capabilities(), True, True, layout.pg_collection).eval()
+
+
+def _loaded(cpu, folder: Path, **changes):
+    _, state = read_hf_folder(folder)
+    cfg = dataclasses.replace(model_config_from_hf(folder), **changes)
+    model = _loong(cpu, cfg)
+    load_full_state([model], hf_to_native(state, cfg))
+    return model, cfg
+
+
+def _inputs(vocab: int, seq: int = SEQ):
+    tokens = torch.randint(0, vocab, (2, seq), generator=torch.Generator().manual_seed(1))
+    return tokens, torch.arange(seq).unsqueeze(0).expand(2, -1)
+
+
+# --- config -------------------------------------------------------------------------------------------------
 
 def test_config_translation_both_ways():
-    hf = tiny_v32_hf()
+    hf = tiny_v32_config(topk=8).to_dict()
     fam = family_for_hf_config(hf)
     cfg = fam.config_from_hf(hf)
     assert (fam.name, cfg.family, cfg.is_dsa, cfg.is_mla) == ("deepseek_v32", "deepseek_v32", True, True)
-    assert (cfg.index_topk, cfg.index_head_dim, cfg.index_n_heads, cfg.first_k_dense_replace) == (8, 16, 2, 1)
+    assert (cfg.index_topk, cfg.index_head_dim, cfg.index_n_heads, cfg.first_k_dense_replace) == (8, 16, 8, 1)
+    cfg.validate("model")
     out = fam.hf_config_dict(cfg, "float32")
     assert out["architectures"] == ["DeepseekV32ForCausalLM"]
     assert out["mlp_layer_types"] == ["dense", "sparse", "sparse"]
     assert fam.config_from_hf(out) == cfg
     with pytest.raises(LoongError, match="mlp_layer_types"):
         fam.config_from_hf({**hf, "mlp_layer_types": ["sparse", "dense", "sparse"]})
+    with pytest.raises(LoongError, match="q_lora_rank"):
+        dataclasses.replace(cfg, q_lora_rank=None).validate("model")
+    with pytest.raises(LoongError, match="index_head_dim"):
+        dataclasses.replace(cfg, index_head_dim=4).validate("model")
     # the indexer is in the parameter count and the FLOPs (sparse attention: top-k keys per query)
     v3 = dataclasses.replace(cfg, family="deepseek_v3")
     assert cfg.num_parameters() > v3.num_parameters()
     assert training_flops_per_token(cfg, 64) != training_flops_per_token(v3, 64)
 
 
-def test_building_says_sparse_attention_is_not_there_yet():
-    import torch
+# --- parity with transformers --------------------------------------------------------------------------------
 
-    cfg = family_for_hf_config(tiny_v32_hf()).config_from_hf(tiny_v32_hf())
-    with pytest.raises(LoongError, match="DeepSeek Sparse Attention"):
-        cfg.validate("model")
-    with pytest.raises(LoongError, match="not implemented yet"):
-        transformer_config(cfg, ParallelConfig(), torch.float32)
+@torch.no_grad()
+def test_sparse_logits_and_loss_match_transformers(cpu, hf_sparse):
+    """index_topk=12 < 40 tokens: the indexer's choice matters (the dense model's logits differ by > 1 %)."""
+    hf, folder = hf_sparse
+    loong, cfg = _loaded(cpu, folder)
+    assert cfg.index_topk == 12 and cfg.dsa_stage == "sparse"
+    tokens, pos = _inputs(cfg.vocab_size)
+    ref = hf(tokens).logits
+    got = loong(tokens, pos, None)
+    assert _rel(got, ref) <= TOL
+    losses = loong(tokens, pos, None, labels=tokens.roll(-1, dims=1))[:, :-1]
+    hf_loss = hf(tokens, labels=tokens).loss
+    assert abs(losses.mean().item() - hf_loss.item()) / hf_loss.item() <= TOL
+    dense, _ = _loaded(cpu, folder, index_topk=SEQ)
+    assert _rel(dense(tokens, pos, None), ref) > 1e-2
+
+
+@torch.no_grad()
+def test_dense_equivalent_topk_and_dense_warmup_match_transformers(cpu, hf_sparse, tmp_path):
+    """index_topk >= S selects every causal key in transformers; Loong's dense warm-up attends to all of them too."""
+    hf = _hf_model(tmp_path / "dense", topk=64)
+    loong, cfg = _loaded(cpu, tmp_path / "dense")
+    tokens, pos = _inputs(cfg.vocab_size)
+    ref = hf(tokens).logits
+    assert _rel(loong(tokens, pos, None), ref) <= TOL
+    warm, _ = _loaded(cpu, tmp_path / "dense", index_topk=4, dsa_stage="dense_warmup")
+    assert _rel(warm(tokens, pos, None), ref) <= TOL
+
+
+# --- the indexer loss against the paper's formula --------------------------------------------------------------
+
+def _reference_indexer_losses(hf, tokens: torch.Tensor, stage: str, topk: int) -> list[torch.Tensor]:
+    """Per layer, the paper's indexer loss in plain PyTorch from transformers' weights (MHA-form MLA, full S x S):
+    p_t = sum over heads of the main attention's probabilities (over the attended keys: all causal keys in the
+    dense warm-up, the indexer's top-k S_t in the sparse stage), L1-normalised;
+    loss = mean_t KL(p_t || softmax(I_t)) over the same keys, I[t, s] = sum_j w[t, j] relu(q_I[t, j]·k_I[s] / sqrt(D_I)),
+    w = weights_proj(x) / sqrt(H_I). Differentiable w.r.t. the indexer's weights only (everything else detached)."""
+    from transformers.models.deepseek_v32.modeling_deepseek_v32 import (
+        apply_rotary_pos_emb,
+        apply_rotary_pos_emb_interleave,
+    )
+
+    inputs: list[torch.Tensor] = []
+    hooks = [layer.self_attn.register_forward_pre_hook(lambda _m, _a, kw: inputs.append(kw["hidden_states"]),
+                                                       with_kwargs=True) for layer in hf.model.layers]
+    saved = [layer.self_attn.indexer.index_topk for layer in hf.model.layers]
+    for layer in hf.model.layers:  # the dense warm-up's attention is dense: so are the layer inputs
+        layer.self_attn.indexer.index_topk = topk if stage == "sparse" else 1 << 30
+    with torch.no_grad():
+        hf(tokens)
+    for h, layer, k in zip(hooks, hf.model.layers, saved, strict=True):
+        h.remove()
+        layer.self_attn.indexer.index_topk = k
+    b, s = tokens.shape
+    pos = torch.arange(s)[None].expand(b, -1)
+    causal = torch.ones(s, s, dtype=torch.bool).tril()
+    losses = []
+    for layer, x in zip(hf.model.layers, inputs, strict=True):
+        a, ix = layer.self_attn, layer.self_attn.indexer
+        cos, sin = hf.model.rotary_emb(x, pos)
+        with torch.no_grad():
+            q_resid = a.q_a_layernorm(a.q_a_proj(x))
+            q = a.q_b_proj(q_resid).view(b, s, -1, a.qk_head_dim).transpose(1, 2)
+            q_pass, q_rot = torch.split(q, [a.qk_nope_head_dim, a.qk_rope_head_dim], dim=-1)
+            kv_pass, k_rot = torch.split(a.kv_a_proj_with_mqa(x), [a.kv_lora_rank, a.qk_rope_head_dim], dim=-1)
+            k_pass = a.kv_a_layernorm(kv_pass).view(b, 1, s, a.kv_lora_rank)
+            q_rot, k_rot = apply_rotary_pos_emb_interleave(q_rot, k_rot.view(b, 1, s, -1), cos, sin)
+            keys, _ = a.expand_kv(k_pass, k_rot)
+            attn_scores = torch.cat([q_pass, q_rot], -1) @ keys.transpose(-1, -2) * a.scaling  # [B, H, S, S]
+        qi = ix.wq_b(q_resid).view(b, s, ix.n_heads, ix.head_dim)
+        ki = ix.k_norm(ix.wk(x)).unsqueeze(2)
+        r = ix.qk_rope_head_dim
+        qr, kr = apply_rotary_pos_emb(qi[..., :r], ki[..., :r], cos, sin, unsqueeze_dim=2)
+        qi, ki = torch.cat([qr, qi[..., r:]], -1), torch.cat([kr, ki[..., r:]], -1).squeeze(2)
+        w = ix.weights_proj(x) * ix.n_heads ** -0.5
+        index = (torch.relu(torch.einsum("bthd,bsd->bths", qi, ki) * ix.head_dim ** -0.5) * w[..., None]).sum(2)
+        keep = causal.expand(b, s, s)
+        if stage == "sparse" and topk < s:
+            top = index.detach().masked_fill(~keep, float("-inf")).topk(topk, dim=-1).indices
+            keep = keep & torch.zeros(b, s, s, dtype=torch.bool).scatter(-1, top, True)
+        p = torch.softmax(attn_scores.masked_fill(~keep[:, None], float("-inf")), -1).sum(1)
+        p = p / p.sum(-1, keepdim=True)
+        logq = torch.log_softmax(index.masked_fill(~keep, float("-inf")), -1)
+        kl = torch.where(keep, torch.xlogy(p, p) - p * logq.masked_fill(~keep, 0.0), 0.0).sum(-1)
+        losses.append(kl.mean())
+    return losses
+
+
+@pytest.mark.parametrize("stage", ["sparse", "dense_warmup"])
+def test_indexer_loss_and_gradient_match_the_paper_formula(cpu, hf_sparse, stage):
+    """The logged indexer loss (mean over layers) and the indexer's gradient (``indexer_loss_coeff`` × the loss's,
+    through ``IndexerLossAutoScaler``) equal the reference; the LM loss adds nothing to the indexer's gradient."""
+    hf, folder = hf_sparse
+    coeff = 0.5
+    loong, cfg = _loaded(cpu, folder, dsa_stage=stage, indexer_loss_coeff=coeff)
+    tokens, pos = _inputs(cfg.vocab_size)
+    hf.zero_grad()
+    ref = _reference_indexer_losses(hf, tokens, stage, cfg.index_topk)
+    (coeff * sum(ref)).backward()
+    loong.train()
+    clear_indexer_loss_tracker()
+    IndexerLossAutoScaler.set_loss_scale(torch.tensor(1.0))
+    loong(tokens, pos, None, labels=tokens.roll(-1, dims=1)).mean().backward()
+    assert _TRACKER["terms"] == cfg.num_layers
+    logged = float(_TRACKER["sum"]) / _TRACKER["terms"]
+    want = sum(r.item() for r in ref) / len(ref)
+    assert want > 1e-3 and abs(logged - want) / want <= 1e-5
+    clear_indexer_loss_tracker()
+    params = dict(loong.named_parameters())
+    for i in range(cfg.num_layers):
+        for name in ("wq_b.weight", "wk.weight", "k_norm.weight", "weights_proj.weight"):
+            got = params[f"decoder.layers.{i}.self_attention.indexer.{name}"].grad
+            want_g = dict(hf.named_parameters())[f"model.layers.{i}.self_attn.indexer.{name}"].grad
+            assert _rel(got, want_g) <= 1e-4, (i, name)
+
+
+def test_dense_warmup_task_freezes_all_but_the_indexer():
+    from loong.llm.models.deepseek_v32.indexer import freeze_all_but_indexer
+
+    model = torch.nn.ModuleDict({"attn": torch.nn.ModuleDict({"indexer": torch.nn.Linear(2, 2)}),
+                                 "mlp": torch.nn.Linear(2, 2)})
+    model = torch.nn.ModuleDict({"decoder": model})
+    assert freeze_all_but_indexer(model) == 6
+    assert [n for n, p in model.named_parameters() if p.requires_grad] == ["decoder.attn.indexer.weight",
+                                                                           "decoder.attn.indexer.bias"]
+
+
+# --- HF mapping and export ------------------------------------------------------------------------------------
+
+@torch.no_grad()
+def test_export_loads_in_transformers_with_equal_logits(cpu, hf_sparse, tmp_path):
+    """HF folder -> Loong -> (weights changed) -> HF folder: transformers loads every tensor, logits agree."""
+    hf, folder = hf_sparse
+    loong, cfg = _loaded(cpu, folder)
+    full = gather_full_state([loong])
+    randomize(sorted(full.items()), seed=3)
+    load_full_state([loong], full)
+    fam = family_for_hf_config(hf.config.to_dict())
+    out = write_hf_folder(tmp_path / "export", fam.hf_config_dict(cfg, "float32"), native_to_hf(full, cfg))
+    back, info = AutoModelForCausalLM.from_pretrained(out, attn_implementation="eager", output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    tokens, pos = _inputs(cfg.vocab_size)
+    assert _rel(back.eval()(tokens).logits, loong(tokens, pos, None)) <= TOL
+    assert dataclasses.replace(model_config_from_hf(out), preset=cfg.preset) == cfg
+
+
+def test_hf_loong_hf_bit_exact_with_mtp(hf_sparse):
+    _, folder = hf_sparse
+    _, state = read_hf_folder(folder)
+    cfg = dataclasses.replace(model_config_from_hf(folder), mtp_num_layers=1)
+    g = torch.Generator().manual_seed(4)
+    for k, v in list(state.items()):  # an MTP module after the last layer, as DeepSeek's release stores it
+        if k.startswith("model.layers.2."):
+            state["model.layers.3." + k[len("model.layers.2."):]] = v + 0.01 * torch.randn(v.shape, generator=g)
+    for name, shape in (("enorm.weight", (64,)), ("hnorm.weight", (64,)), ("shared_head.norm.weight", (64,)),
+                        ("eh_proj.weight", (64, 128))):
+        state[f"model.layers.3.{name}"] = torch.randn(shape, generator=g)
+    state["model.layers.3.embed_tokens.weight"] = state["model.embed_tokens.weight"]
+    state["model.layers.3.shared_head.head.weight"] = state["lm_head.weight"]
+    native = hf_to_native(state, cfg)
+    assert native["mtp.layers.0.transformer_layer.self_attention.indexer.wq_b.weight"].shape == (128, 32)
+    for dtype in (torch.float32, torch.bfloat16):
+        typed = {k: v.to(dtype) for k, v in state.items()}
+        back = native_to_hf(hf_to_native(typed, cfg), cfg)
+        assert set(back) == set(typed)
+        assert all(back[k].dtype == dtype and torch.equal(back[k], t) for k, t in typed.items())
+    del state["model.layers.1.self_attn.indexer.wk.weight"]
+    with pytest.raises(LoongError, match="indexer.wk"):
+        hf_to_native(state, cfg)
+
+
+def test_mtp_layer_has_sparse_attention_and_its_indexer_loss(cpu, hf_sparse):
+    """With a multi-token-prediction module its decoder layer is a DSA layer too: 3 + 1 indexer losses."""
+    _, folder = hf_sparse
+    cfg = dataclasses.replace(model_config_from_hf(folder), mtp_num_layers=1, moe_aux_loss_coeff=0.0)
+    model = _loong(cpu, cfg).train()
+    from megatron.core.transformer.multi_token_prediction import MTPLossAutoScaler
+
+    MTPLossAutoScaler.set_loss_scale(torch.tensor(1.0))
+    IndexerLossAutoScaler.set_loss_scale(torch.tensor(1.0))
+    clear_indexer_loss_tracker()
+    tokens, pos = _inputs(cfg.vocab_size)
+    model(tokens, pos, None, labels=tokens.roll(-1, dims=1), loss_mask=torch.ones(tokens.shape)).mean().backward()
+    assert _TRACKER["terms"] == 4
+    clear_indexer_loss_tracker()
+    grad = dict(model.named_parameters())["mtp.layers.0.mtp_model_layer.self_attention.indexer.wq_b.weight"].grad
+    assert grad is not None and grad.abs().sum() > 0
+
+
+# --- presets ----------------------------------------------------------------------------------------------
+
+def _preset(name: str):
+    cfg, _ = compose_config("loong.llm.configs", "pretrain", [f"model={name}"], LLMRunConfig)
+    cfg.model.validate("model")
+    return cfg.model
+
+
+def test_deepseek_v3_2_preset_is_671b_plus_the_indexers():
+    m = _preset("deepseek_v3_2")
+    main = dataclasses.replace(m, mtp_num_layers=0)
+    # DeepSeek-V3.2-Exp: DeepSeek-V3's 671B (37B active) plus 61 indexers (64 x 128 heads, 0.85B); the release
+    # with its MTP module (which has an indexer too) counts ~684B here
+    assert abs(main.num_parameters() - 671.9e9) / 671.9e9 <= 0.005, main.num_parameters()
+    assert abs(m.num_parameters() - 684e9) / 684e9 <= 0.01, m.num_parameters()
+    assert (m.num_layers, m.index_n_heads, m.index_head_dim, m.index_topk, m.q_lora_rank) == (61, 64, 128, 2048, 1536)
+    assert m.family == "deepseek_v32" and m.dsa_stage == "sparse"
+
+
+def test_deepseek_v3_2_4l_preset_fits_one_h200():
+    m = _preset("deepseek_v3_2_4l")
+    assert (m.num_layers, m.num_dense_layers, m.hidden_size, m.num_experts, m.family) == \
+        (4, 1, 7168, 16, "deepseek_v32")
+    assert m.num_parameters() * 16 < 105e9, m.num_parameters()  # bf16 weights + grads, fp32 Adam and master
+
+
+# --- TP=2 (one 2-process gloo launch) --------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def layouts(tmp_path_factory, run_workers) -> dict:  # noqa: ANN001
+    folder = tmp_path_factory.mktemp("hf") / "tiny-v32"
+    _hf_model(folder, vocab=512, topk=8)  # the packaged tokenizer's vocabulary; 8 of the 32-token windows
+    out = tmp_path_factory.mktemp("dsv32_layouts") / "result.json"
+    run_workers(WORKER, str(folder), str(out))
+    return json.loads(out.read_text())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", ["sparse", "warmup"])
+def test_tp2_reproduces_single_rank_loss_and_gradients(layouts: dict, stage: str) -> None:
+    loss = layouts["loss"]
+    assert abs(loss[f"{stage}_tp2"] - loss[f"{stage}_ref"]) / loss[f"{stage}_ref"] <= 1e-5
+    assert layouts["grad_keys_equal"][stage]
+    assert layouts["grad_err"][stage] <= 1e-5, layouts["grad_worst"][stage]
+    assert layouts["indexer_grad_nonzero"][stage]
+    # the dense warm-up trains only the indexers; the sparse stage everything
+    trainable = layouts[f"{stage}_trainable"]
+    assert ("other" not in trainable) == (stage == "warmup")
+
+
+@pytest.mark.slow
+def test_tp2_training_tracks_single_rank_and_logs_indexer_loss(layouts: dict) -> None:
+    ref, got = layouts["train"]["ref"], layouts["train"]["tp2"]
+    assert max(abs(a - b) / b for a, b in zip(got, ref, strict=True)) <= 1e-4
+    iref, igot = layouts["indexer_loss"]["ref"], layouts["indexer_loss"]["tp2"]
+    assert min(iref) > 0 and max(abs(a - b) / b for a, b in zip(igot, iref, strict=True)) <= 1e-4

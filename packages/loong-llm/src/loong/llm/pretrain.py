@@ -71,6 +71,11 @@ class PretrainTask(Task):
             from loong.llm.lora import apply_lora
 
             apply_lora([gpt], self.cfg.model.lora, seed=self.cfg.train.seed)
+        if self.cfg.model.is_dsa and self.cfg.model.dsa_stage == "dense_warmup":
+            # DeepSeek-V3.2's dense warm-up trains only the lightning indexers (before DDP wraps the model)
+            from loong.llm.models.deepseek_v32.indexer import freeze_all_but_indexer
+
+            freeze_all_but_indexer(gpt)
         return gpt
 
     def after_train_step(self, step: int, extra: dict[str, float]) -> dict[str, float]:
@@ -79,7 +84,9 @@ class PretrainTask(Task):
         micro-batches, the MoE layers and data parallelism), unweighted by ``moe_aux_loss_coeff``. Its gradient
         already reached the router through ``MoEAuxLossAutoScaler`` (the pipeline schedule sets its scale); the
         logged ``loss`` stays the language-model loss. Multi-token prediction: ``mtp_loss``, the MTP modules'
-        cross-entropy (mean over modules, micro-batches and DP), whose gradient ``MTPLossAutoScaler`` added."""
+        cross-entropy (mean over modules, micro-batches and DP), whose gradient ``MTPLossAutoScaler`` added.
+        DeepSeek-V3.2: ``indexer_loss``, the lightning indexers' KL (mean over DSA layers, micro-batches and DP),
+        unweighted by ``indexer_loss_coeff``; its gradient came through ``IndexerLossAutoScaler``."""
         m = self.cfg.model
         out: dict[str, float] = {}
         nmb = self.num_train_microbatches(step, self._num_microbatches())
@@ -97,6 +104,10 @@ class PretrainTask(Task):
                 out["moe_aux_loss"] = float(value)
         if m.mtp_num_layers:
             out.update(self._mtp_loss(nmb))
+        if m.is_dsa:
+            from loong.llm.models.deepseek_v32.indexer import indexer_loss_report
+
+            out.update(indexer_loss_report(self.layout.pg_collection, self.accelerator.device(self.layout.local_rank)))
         return out
 
     def _mtp_loss(self, num_microbatches: int) -> dict[str, float]:

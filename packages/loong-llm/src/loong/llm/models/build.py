@@ -29,9 +29,8 @@ from megatron.core.transformer.transformer_config import MLATransformerConfig, T
 from megatron.core.utils import get_pg_rank
 
 from loong.core.config.schema import ParallelConfig
-from loong.core.errors import LoongError
 from loong.llm.models.attention import FusedRoPESelfAttention, SDPAttention
-from loong.llm.models.config import DSA_NOT_YET, DenseModelConfig
+from loong.llm.models.config import DenseModelConfig
 from loong.llm.models.fused import FusedKernels, FusedRMSNorm, FusedSwiGLU, resolve_fused_kernels
 from loong.llm.models.gpt import LoongGPTModel
 from loong.llm.models.norm import SPRMSNorm
@@ -93,8 +92,10 @@ def transformer_config(
         kwargs.update(mla_kwargs(model))
         if model.is_moe:
             kwargs.update(deepseek_moe_kwargs(model))
-        if model.is_dsa:
-            raise LoongError(DSA_NOT_YET)
+        if model.is_dsa:  # DeepSeek-V3.2: the schedule scales the indexer loss's gradient like the MoE aux loss
+            from loong.llm.models.deepseek_v32.indexer import IndexerLossAutoScaler
+
+            kwargs["experimental_attention_variant_loss_scale_func"] = IndexerLossAutoScaler.set_loss_scale
         kwargs.update(overrides or {})
         return MLATransformerConfig(**kwargs)
     kwargs.update(overrides or {})
@@ -212,9 +213,13 @@ def build_gpt_model(
     if model.is_mla:
         from loong.llm.models.deepseek_v3.spec import decoder_block_spec, mtp_block_spec
 
-        if model.is_dsa:
-            raise LoongError(DSA_NOT_YET)
-        spec, last = decoder_block_spec(model, config, capabilities, fused, sp, pg_collection, vp_stage)
+        attention = None
+        if model.is_dsa:  # DeepSeek-V3.2: MLA over the lightning indexer's top-k keys
+            from loong.llm.models.deepseek_v32.attention import DSAMLASelfAttention, dsa_params
+
+            attention = (DSAMLASelfAttention, dsa_params(model))
+        spec, last = decoder_block_spec(model, config, capabilities, fused, sp, pg_collection, vp_stage,
+                                        attention=attention)
         mtp_spec = mtp_block_spec(model, capabilities, fused, sp, last)
     else:
         spec = _decoder_spec(layer_spec(model, capabilities, fused, sequence_parallel=sp), config, fused,

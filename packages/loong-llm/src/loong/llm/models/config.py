@@ -8,9 +8,6 @@ from typing import Literal
 
 from loong.core.errors import LoongError
 
-DSA_NOT_YET = ("model.family=deepseek_v32: DeepSeek Sparse Attention (the lightning indexer) is not implemented "
-               "yet; the config translation is, so a DeepSeek-V3.2 folder is recognised")
-
 
 @dataclass
 class RopeScaling:
@@ -70,11 +67,11 @@ class DenseModelConfig:
     moved by ``moe_router_bias_update_rate`` per step), group-limited routing (``moe_router_num_groups``,
     ``moe_router_group_topk``), ``moe_routed_scaling_factor``; ``mtp_num_layers`` multi-token-prediction modules
     whose loss, times ``mtp_loss_scaling_factor``, joins the gradient (megatron's ``MTPLossAutoScaler``).
-    DeepSeek-V3.2's sparse attention (DSA; its config keys are read and written, the attention itself is not
-    implemented yet, see ``DSA_NOT_YET``): a lightning indexer of ``index_n_heads`` × ``index_head_dim`` picks
-    ``index_topk`` keys per query; ``dsa_stage`` is ``dense_warmup`` (full attention, only the indexer learns,
-    from a KL to the attention distribution) or ``sparse`` (attention over the selected keys, the indexer's KL
-    over them too); ``indexer_loss_coeff`` weighs the indexer loss.
+    DeepSeek-V3.2's sparse attention (DSA, ``family=deepseek_v32``; ``models/deepseek_v32/``): a lightning indexer
+    of ``index_n_heads`` × ``index_head_dim`` picks ``index_topk`` keys per query; ``dsa_stage`` is ``dense_warmup``
+    (full causal attention; the training task freezes everything but the indexers, which learn from a KL to the
+    attention distribution) or ``sparse`` (attention over the selected keys, the indexer's KL over them too, on
+    detached inputs); ``indexer_loss_coeff`` weighs the indexer loss (logged unweighted as ``indexer_loss``).
     """
 
     family: Literal["llama", "qwen2", "qwen3", "qwen3_moe", "deepseek_v3", "deepseek_v32"] = "llama"
@@ -213,7 +210,13 @@ class DenseModelConfig:
                                  f"num_experts={self.num_experts} and moe_router_group_topk={k} in 1..{g} to "
                                  f"divide moe_router_topk={self.moe_router_topk}")
         if self.is_dsa:
-            raise LoongError(f"{path}: {DSA_NOT_YET}")
+            if self.q_lora_rank is None:
+                raise LoongError(f"{path}: family=deepseek_v32 needs q_lora_rank (the indexer reads the q latent)")
+            if not self.qk_rope_head_dim <= self.index_head_dim or self.index_topk < 1 or self.index_n_heads < 1:
+                raise LoongError(f"{path}: DSA needs index_n_heads >= 1, index_topk >= 1 and index_head_dim="
+                                 f"{self.index_head_dim} >= qk_rope_head_dim={self.qk_rope_head_dim}")
+            if self.dsa_stage not in ("dense_warmup", "sparse"):
+                raise LoongError(f"{path}: dsa_stage={self.dsa_stage!r} is not dense_warmup or sparse")
 
 
 def training_flops_per_token(model: DenseModelConfig, seq_length: int) -> float:

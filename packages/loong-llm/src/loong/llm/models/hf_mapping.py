@@ -50,7 +50,10 @@ _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 def native_shapes(cfg: DenseModelConfig) -> dict[str, tuple[int, ...]]:
     """The whole-tensor shape of every native key for ``cfg``."""
     if cfg.is_mla:  # DeepSeek-V3 / V3.2: per-layer keys, their own mapping
-        from loong.llm.models.deepseek_v3 import mapping
+        if cfg.is_dsa:  # DeepSeek-V3.2: V3's tensors plus the lightning indexers'
+            from loong.llm.models.deepseek_v32 import mapping
+        else:
+            from loong.llm.models.deepseek_v3 import mapping
 
         return mapping.native_shapes(cfg)
     n, d, f, v, hd = cfg.num_layers, cfg.hidden_size, cfg.ffn_hidden_size, cfg.vocab_size, cfg.kv_channels
@@ -134,7 +137,10 @@ def hf_to_native(hf_state: Mapping[str, Tensor], cfg: DenseModelConfig) -> dict[
     shapes that do not match ``cfg``.
     """
     if cfg.is_mla:
-        from loong.llm.models.deepseek_v3 import mapping
+        if cfg.is_dsa:  # DeepSeek-V3.2: V3's tensors plus the lightning indexers'
+            from loong.llm.models.deepseek_v32 import mapping
+        else:
+            from loong.llm.models.deepseek_v3 import mapping
 
         return mapping.hf_to_native(hf_state, cfg)
     src = {k: v for k, v in hf_state.items() if not k.endswith(_IGNORED_SUFFIXES)}
@@ -196,7 +202,10 @@ def hf_to_native(hf_state: Mapping[str, Tensor], cfg: DenseModelConfig) -> dict[
 def native_to_hf(native: Mapping[str, Tensor], cfg: DenseModelConfig) -> dict[str, Tensor]:
     """Inverse of :func:`hf_to_native`. Returned tensors may be views of ``native``'s tensors."""
     if cfg.is_mla:
-        from loong.llm.models.deepseek_v3 import mapping
+        if cfg.is_dsa:  # DeepSeek-V3.2: V3's tensors plus the lightning indexers'
+            from loong.llm.models.deepseek_v32 import mapping
+        else:
+            from loong.llm.models.deepseek_v3 import mapping
 
         return mapping.native_to_hf(native, cfg)
     _check_shapes(native, cfg, "Loong model state")

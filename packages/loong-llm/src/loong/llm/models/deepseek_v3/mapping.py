@@ -18,7 +18,7 @@ from collections.abc import Iterator, Mapping
 import torch
 
 from loong.core.errors import LoongError
-from loong.llm.models.config import DSA_NOT_YET, DenseModelConfig
+from loong.llm.models.config import DenseModelConfig
 
 Tensor = torch.Tensor
 
@@ -78,7 +78,9 @@ def native_shapes(cfg: DenseModelConfig) -> dict[str, tuple[int, ...]]:
         attn.update({"self_attention.linear_q_down_proj.weight": (r, d), "self_attention.q_layernorm.weight": (r,),
                      "self_attention.linear_q_up_proj.weight": (h * (nope + rope), r)})
     if cfg.is_dsa:
-        raise LoongError(DSA_NOT_YET)
+        # V3.2 goes through models/deepseek_v32/mapping.py, which adds the indexer's tensors around this one
+        raise LoongError("model.family=deepseek_v32: use loong.llm.models.deepseek_v32.mapping (DeepSeek-V3's "
+                         "mapping has no lightning-indexer tensors)")
     f, fe, e = cfg.ffn_hidden_size, cfg.expert_ffn_hidden_size, cfg.num_experts or 0
     dense = {"mlp.linear_fc1.weight": (2 * f, d), "mlp.linear_fc2.weight": (d, f)}
     moe = {"mlp.router.weight": (e, d), "mlp.router.expert_bias": (e,),

@@ -136,19 +136,25 @@ def _swiglu_mlp(mlp: Any, act: Any) -> Any:
 
 
 def mla_layer_spec(model: DenseModelConfig, capabilities: set[str], fused: FusedKernels, moe: bool,
-                   sequence_parallel: bool = False, core_attention: Any = None) -> ModuleSpec:
+                   sequence_parallel: bool = False, core_attention: Any = None,
+                   attention: tuple[Any, dict[str, Any]] | None = None) -> ModuleSpec:
     """One decoder layer: MLA self-attention, and a MoE (``moe``) or dense SwiGLU MLP.
 
-    ``core_attention`` replaces the attention kernel (DeepSeek-V3.2's sparse attention); default SDPA.
+    ``core_attention`` replaces the attention kernel; default SDPA. ``attention`` = ``(module, params)`` replaces the
+    whole MLA module (a :class:`LoongMLASelfAttention` subclass, built with ``params`` as extra keyword arguments:
+    DeepSeek-V3.2's sparse attention, :mod:`loong.llm.models.deepseek_v32.attention`).
     """
     experts = model.num_experts if moe else None
-    if "transformer_engine" in capabilities and core_attention is None:
+    if "transformer_engine" in capabilities and core_attention is None and attention is None:
         return get_gpt_layer_with_transformer_engine_spec(num_experts=experts, moe_grouped_gemm=False,
                                                           qk_layernorm=True, multi_latent_attention=True)
     spec = get_gpt_layer_local_spec(num_experts=experts, moe_grouped_gemm=False, qk_layernorm=True,
                                     multi_latent_attention=True, normalization="RMSNorm")
     layer, attn = spec.submodules, spec.submodules.self_attention
     attn.module = LoongMLASelfAttention
+    if attention is not None:
+        attn.module = attention[0]
+        attn.params = {**attn.params, **attention[1]}
     attn.submodules.core_attention = core_attention or SDPAttention
     if sequence_parallel:  # megatron's torch norms refuse SP; the fused norm is off under SP
         # MLA scatters both latents back to sequence shards before their norms, so (unlike QK-norm) their
@@ -166,13 +172,14 @@ def mla_layer_spec(model: DenseModelConfig, capabilities: set[str], fused: Fused
 
 def decoder_block_spec(model: DenseModelConfig, config: TransformerConfig, capabilities: set[str],
                        fused: FusedKernels, sequence_parallel: bool, pg_collection: Any, vp_stage: int | None,
-                       core_attention: Any = None) -> tuple[TransformerBlockSubmodules, ModuleSpec]:
+                       core_attention: Any = None, attention: tuple[Any, dict[str, Any]] | None = None,
+                       ) -> tuple[TransformerBlockSubmodules, ModuleSpec]:
     """(this pipeline stage's block spec, the MoE layer spec the MTP modules reuse).
 
     The first ``first_k_dense_replace`` layers are dense, the rest MoE (megatron's ``moe_layer_freq`` list, which
     also makes the checkpoint keys per layer: ``decoder.layers.{i}.…``)."""
     def spec(moe: bool) -> ModuleSpec:
-        return mla_layer_spec(model, capabilities, fused, moe, sequence_parallel, core_attention)
+        return mla_layer_spec(model, capabilities, fused, moe, sequence_parallel, core_attention, attention)
 
     dense, sparse = spec(False), spec(True)
     pattern = [dense] * model.num_dense_layers + [sparse] * (model.num_layers - model.num_dense_layers)

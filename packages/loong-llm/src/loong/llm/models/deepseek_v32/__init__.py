@@ -1,7 +1,8 @@
 """DeepSeek-V3.2 (``DeepseekV32ForCausalLM``): DeepSeek-V3 plus DeepSeek Sparse Attention (DSA) — a lightning
 indexer (``self_attn.indexer.{wq_b, wk, k_norm, weights_proj}``) scores every earlier key per query, the
-``index_topk`` best are kept and MLA attends over those only. The attention module and the indexer loss are in
-:mod:`.dsa`; config translation extends DeepSeek-V3's with the indexer fields.
+``index_topk`` best are kept and MLA attends over those only. The attention module is in :mod:`.attention`, the
+indexer and its loss in :mod:`.indexer`, the tensor mapping in :mod:`.mapping`; config translation extends
+DeepSeek-V3's with the indexer fields.
 """
 
 from __future__ import annotations
