@@ -11,6 +11,11 @@ torchrun). One-GPU runs that do not depend on each other run side by side on dif
 - **Resharded resume:** the TP=2 run saves at step ``--save-at``; it is resumed at PP=2 and on one GPU
   for one step, whose loss is compared with the TP=2 run's own next step.
 - **Scaling 1 → 2 GPUs** at a fixed per-GPU batch: DP=2 with twice the global batch of a one-GPU run.
+- **MoE** (``--groups moe``): the reduced-layer MoE presets (``qwen3_30b_a3b_4l``, ``deepseek_v3_4l``,
+  ``deepseek_v3_2_4l``; random HF weights from each preset's own config.json translation) on one GPU and at
+  EP=2 (DP=2 for the dense parts): the loss of every step against the one-GPU run, tokens/s per GPU, memory.
+
+``--groups`` picks what runs (default: ``dense moe``).
 
 Prints a table and writes JSON (command, versions, GPUs, every figure) to ``benchmarks/results/``.
 """
@@ -55,6 +60,32 @@ def make_hf(shape: str, layers: int | None, out: Path) -> Path:
     model.save_pretrained(out)
     del model
     torch.cuda.empty_cache()
+    return out
+
+
+MOE_PRESETS = ("qwen3_30b_a3b_4l", "deepseek_v3_4l", "deepseek_v3_2_4l")
+
+
+def make_hf_from_preset(preset: str, out: Path, device: str = "cuda") -> Path:
+    """Random bf16 weights for a Loong preset, through its family's config.json translation."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from loong.core.config import compose_config
+    from loong.llm.models.hf_mapping import family_by_name
+    from loong.llm.schema import LLMRunConfig
+
+    cfg, _ = compose_config("loong.llm.configs", "pretrain", [f"model={preset}"], LLMRunConfig)
+    fields = family_by_name(cfg.model.family).hf_config_dict(cfg.model)
+    fields.pop("architectures", None)
+    hf_cfg = AutoConfig.for_model(**fields)
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(hf_cfg, dtype=torch.bfloat16)
+    model.save_pretrained(out)
+    del model
+    if device == "cuda":
+        torch.cuda.empty_cache()
     return out
 
 
@@ -104,16 +135,59 @@ def main() -> None:
     p.add_argument("--warmup-skip", type=int, default=5, help="steps left out of the throughput")
     p.add_argument("--work", default="/tmp/loong-multi-gpu")
     p.add_argument("--out", default=None)
+    p.add_argument("--groups", nargs="+", choices=["dense", "moe"], default=["dense", "moe"])
+    p.add_argument("--moe-presets", nargs="+", choices=MOE_PRESETS, default=list(MOE_PRESETS))
     args = p.parse_args()
 
     import torch
 
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
-    hf1, hf8 = make_hf("1b", None, work / "hf-1b"), make_hf("8b", args.big_layers, work / "hf-8b")
     runs = work / "runs"
-    save = [f"train.save_interval={args.save_at}"]
     r: dict[str, dict] = {}
+    summary: dict = {}
+    if "dense" in args.groups:
+        summary.update(dense_runs(args, work, runs, r))
+    if "moe" in args.groups:
+        summary.update(moe_runs(args, work, runs, r))
+
+    print(f"\n{'run':28s} {'GPUs':>4s} {'tok/s/GPU':>10s} {'MFU':>7s} {'peak GiB':>9s} {'max |Δloss| vs 1 GPU':>21s}")
+    for name, run in r.items():
+        if run.get("failed"):
+            print(f"{name:28s} FAILED")
+            continue
+        ref = r.get(run.get("ref", ""))
+        gap = loss_gap(run, ref) if ref is not None and ref is not run else None
+        mfu = f"{run['mfu']:.1%}" if run["mfu"] else "-"
+        print(f"{name:28s} {run['gpus']:>4d} {run['tokens_per_s_per_gpu']:>10,.0f} {mfu:>7s} "
+              f"{run['peak_memory_gib'] or 0:>9.1f} {'-' if gap is None else f'{gap:.4f}':>21s}")
+    print(json.dumps(summary, indent=1))
+    gpu = torch.cuda.get_device_name().replace(" ", "_").lower() if torch.cuda.is_available() else "nogpu"
+    out = Path(args.out or Path(__file__).parent / "results" /
+               f"multi_gpu_{gpu}x{torch.cuda.device_count()}_{time.strftime('%Y%m%d')}.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"command": " ".join(sys.argv), "args": vars(args), "host": host(),
+                               "versions": versions(["torch", "megatron-core", "transformers", "loong-llm"]),
+                               "summary": summary, "runs": r}, indent=1))
+    print(f"wrote {out}")
+
+
+def moe_runs(args: argparse.Namespace, work: Path, runs: Path, r: dict[str, dict]) -> dict:
+    """Each MoE preset on one GPU and at EP=2; returns the loss gaps."""
+    gaps = {}
+    for preset in args.moe_presets:
+        hf = make_hf_from_preset(preset, work / f"hf-{preset}")
+        one, ep2 = f"{preset}-1gpu", f"{preset}-ep2"
+        r[one] = {**train(one, hf, runs, args, 1, "0"), "ref": one}
+        r[ep2] = {**train(ep2, hf, runs, args, 2, "0,1", "parallel.ep=2"), "ref": one}
+        gaps[preset] = loss_gap(r[ep2], r[one])
+    return {"moe_loss_gap_ep2_vs_1gpu": gaps}
+
+
+def dense_runs(args: argparse.Namespace, work: Path, runs: Path, r: dict[str, dict]) -> dict:
+    """The ~1B and ~8B dense layouts, resharded resume and 1 -> 2 GPU scaling; returns the summary."""
+    hf1, hf8 = make_hf("1b", None, work / "hf-1b"), make_hf("8b", args.big_layers, work / "hf-8b")
+    save = [f"train.save_interval={args.save_at}"]
     with ThreadPoolExecutor(2) as pool:  # independent one-GPU runs side by side
         a = pool.submit(train, "1b-1gpu", hf1, runs, args, 1, "0")
         b = pool.submit(train, "1b-1gpu-half-batch", hf1, runs, args, 1, "1",
@@ -144,25 +218,10 @@ def main() -> None:
     if not half.get("failed") and not dp2.get("failed"):
         summary["scaling_1_to_2_fixed_per_gpu_batch"] = round(dp2["tokens_per_s"] / (2 * half["tokens_per_s"]), 4)
 
-    print(f"\n{'run':28s} {'GPUs':>4s} {'tok/s/GPU':>10s} {'MFU':>7s} {'peak GiB':>9s} {'max |Δloss| vs 1 GPU':>21s}")
-    refs = {"1b": r["1b-1gpu"], "8b": r["8b-1gpu"]}
-    for name, run in r.items():
-        if run.get("failed"):
-            print(f"{name:28s} FAILED")
-            continue
-        gap = loss_gap(run, refs[name[:2]]) if "resume" not in name and "half" not in name else None
-        mfu = f"{run['mfu']:.1%}" if run["mfu"] else "-"
-        print(f"{name:28s} {run['gpus']:>4d} {run['tokens_per_s_per_gpu']:>10,.0f} {mfu:>7s} "
-              f"{run['peak_memory_gib'] or 0:>9.1f} {'-' if gap is None else f'{gap:.4f}':>21s}")
-    print(json.dumps(summary, indent=1))
-    gpu = torch.cuda.get_device_name().replace(" ", "_").lower() if torch.cuda.is_available() else "nogpu"
-    out = Path(args.out or Path(__file__).parent / "results" /
-               f"multi_gpu_{gpu}x{torch.cuda.device_count()}_{time.strftime('%Y%m%d')}.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"command": " ".join(sys.argv), "args": vars(args), "host": host(),
-                               "versions": versions(["torch", "megatron-core", "transformers", "loong-llm"]),
-                               "summary": summary, "runs": r}, indent=1))
-    print(f"wrote {out}")
+    for name, run in r.items():  # the one-GPU run each layout's loss is compared with
+        if name.startswith(("1b", "8b")) and "resume" not in name and "half" not in name:
+            run["ref"] = f"{name[:2]}-1gpu"
+    return summary
 
 
 if __name__ == "__main__":
