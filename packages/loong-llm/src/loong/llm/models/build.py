@@ -29,6 +29,7 @@ from megatron.core.transformer.transformer_config import MLATransformerConfig, T
 from megatron.core.utils import get_pg_rank
 
 from loong.core.config.schema import ParallelConfig
+from loong.core.errors import LoongError
 from loong.llm.models.attention import FusedRoPESelfAttention, SDPAttention
 from loong.llm.models.config import DenseModelConfig
 from loong.llm.models.fused import FusedKernels, FusedRMSNorm, FusedSwiGLU, resolve_fused_kernels
@@ -84,6 +85,15 @@ def transformer_config(
         persist_layer_norm=False,
         cross_entropy_loss_fusion=False,
     )
+    if model.recompute != "none":
+        if model.recompute_num_layers < 1:
+            raise LoongError(f"model.recompute_num_layers={model.recompute_num_layers}: must be at least 1")
+        if model.recompute == "selective" and model.is_dsa:
+            raise LoongError("model.recompute=selective recomputes megatron's core attention, which DeepSeek-V3.2's "
+                             "sparse attention does not use (nothing would be recomputed); use model.recompute=full")
+        kwargs["recompute_granularity"] = model.recompute
+        if model.recompute == "full":
+            kwargs.update(recompute_method="uniform", recompute_num_layers=model.recompute_num_layers)
     if model.is_moe:
         kwargs.update(moe_kwargs(model))
     if model.is_mla:  # DeepSeek-V3 / V3.2 (models/deepseek_v3/spec.py)

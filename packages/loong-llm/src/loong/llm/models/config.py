@@ -52,6 +52,11 @@ class DenseModelConfig:
     requires them (an error where Triton is not reported, and an unsupported input fails instead of
     falling back); ``off`` keeps megatron-core's modules (see :mod:`loong.llm.models.fused`).
 
+    Activation recomputation (megatron-core's): ``recompute=selective`` recomputes the core attention in
+    backward instead of keeping its inputs; ``full`` keeps only each block's input and recomputes whole
+    layers, in chunks of ``recompute_num_layers`` (megatron's ``uniform`` method). Same numbers, less memory,
+    about one more forward of compute for ``full``.
+
     Mixture of experts (``num_experts`` set; every layer's MLP is a megatron-core ``MoELayer``):
     ``moe_ffn_hidden_size`` is each expert's width, ``moe_router_topk`` the experts per token,
     ``norm_topk_prob`` renormalises the top-k softmax probabilities to sum to 1 (HF ``norm_topk_prob``),
@@ -94,6 +99,8 @@ class DenseModelConfig:
     init_std: float = 0.02
     init_from_hf: str | None = None
     fused_kernels: Literal["auto", "on", "off"] = "auto"
+    recompute: Literal["none", "selective", "full"] = "none"
+    recompute_num_layers: int = 1
     num_experts: int | None = None
     moe_ffn_hidden_size: int | None = None
     moe_router_topk: int = 2
