@@ -227,7 +227,10 @@ def build_gpt_model(
         if model.is_dsa:  # DeepSeek-V3.2: MLA over the lightning indexer's top-k keys
             from loong.llm.models.deepseek_v32.attention import DSAMLASelfAttention, dsa_params
 
-            attention = (DSAMLASelfAttention, dsa_params(model))
+            # the DSA kernels follow model.fused_kernels: auto -> Triton on CUDA, on -> required, off -> the
+            # plain-PyTorch references
+            backend = {"auto": "auto", "on": "triton", "off": "reference"}[model.fused_kernels]
+            attention = (DSAMLASelfAttention, dsa_params(model, backend))
         spec, last = decoder_block_spec(model, config, capabilities, fused, sp, pg_collection, vp_stage,
                                         attention=attention)
         mtp_spec = mtp_block_spec(model, capabilities, fused, sp, last)
