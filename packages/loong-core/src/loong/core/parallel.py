@@ -141,11 +141,15 @@ def init_distributed(accelerator: Accelerator, cfg: ParallelConfig) -> ParallelL
 
 
 def shutdown_distributed() -> None:
-    """Tear down megatron-core's groups and the default group."""
+    """Tear down megatron-core's groups, its MoE metrics tracker and the default group."""
     from megatron.core import parallel_state
+    from megatron.core.transformer.moe.moe_logging import destroy_moe_metrics_tracker
 
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
+    # megatron keeps per-layer MoE metrics in a module global sized by the first model that records; the
+    # next model built in this process (a test, a tool) may have another layer count
+    destroy_moe_metrics_tracker()
     if dist.is_initialized():
         dist.destroy_process_group()
 
