@@ -63,13 +63,14 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 @torch.no_grad()
 def randomize(tensors, seed: int) -> None:
-    """Weights that make every path matter: norms near 1, routers large enough that no top-k is a near-tie,
-    a non-zero expert bias (it changes which experts are picked, not their weights)."""
+    """Weights that make every path matter: norm weights near 1 (LayerNorm biases, V3.2's indexer, near 0),
+    routers large enough that no top-k is a near-tie, a non-zero expert bias (it changes which experts are
+    picked, not their weights). test_deepseek_v32 uses it too."""
     g = torch.Generator().manual_seed(seed)
     for name, t in tensors:
         noise = torch.randn(t.shape, generator=g, dtype=torch.float32)
         if "norm" in name:
-            t.copy_(1.0 + 0.2 * noise)
+            t.copy_(0.1 * noise if name.endswith("bias") else 1.0 + 0.2 * noise)
         elif "e_score_correction_bias" in name or "expert_bias" in name:
             t.copy_(0.05 * noise)
         elif "gate.weight" in name or "router" in name:

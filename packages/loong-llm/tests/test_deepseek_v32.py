@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -29,6 +30,9 @@ from loong.llm.models.deepseek_v32.indexer import _TRACKER, IndexerLossAutoScale
 from loong.llm.models.hf_mapping import family_for_hf_config, hf_to_native, native_to_hf
 from loong.llm.schema import LLMRunConfig
 
+sys.path.insert(0, str(Path(__file__).parent))
+from test_deepseek_v3 import _weights, randomize  # noqa: E402  (same folder: one weight randomiser for both)
+
 TOL = 1e-5
 SEQ = 40
 WORKER = Path(__file__).parent / "workers" / "deepseek_v32_layouts.py"
@@ -47,27 +51,6 @@ def tiny_v32_config(vocab: int = 256, topk: int = 12, **kw) -> DeepseekV32Config
     )
     args.update(kw)
     return DeepseekV32Config(**args)
-
-
-@torch.no_grad()
-def randomize(tensors, seed: int) -> None:
-    """Norm weights near 1 (LayerNorm biases near 0), large router weights (no near-tie in the expert top-k), a
-    non-zero expert bias, small everything else."""
-    g = torch.Generator().manual_seed(seed)
-    for name, t in tensors:
-        noise = torch.randn(t.shape, generator=g, dtype=torch.float32)
-        if "norm" in name:
-            t.copy_(0.1 * noise if name.endswith("bias") else 1.0 + 0.2 * noise)
-        elif "e_score_correction_bias" in name or "expert_bias" in name:
-            t.copy_(0.05 * noise)
-        elif "gate.weight" in name or "router" in name:
-            t.copy_(0.5 * noise)
-        else:
-            t.copy_(0.05 * noise)
-
-
-def _weights(model):
-    return [*model.named_parameters(), *((n, b) for n, b in model.named_buffers() if "e_score_correction_bias" in n)]
 
 
 def _hf_model(folder: Path, **kw):
