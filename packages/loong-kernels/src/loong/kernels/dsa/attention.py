@@ -51,20 +51,29 @@ def _sparse_mla_fwd(Q, KV, IDX, OUT, LSE,
                     sq_b, sq_s, sq_h, skv_b, skv_s, si_b, si_s, so_b, so_s, so_h, sl_b, sl_s,
                     n_heads, s_kv, n_sel, v_dim, d_tail, qk_scale,
                     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr,
-                    BLOCK_T: tl.constexpr, HAS_TAIL: tl.constexpr, PRECISION: tl.constexpr,
-                    UPCAST: tl.constexpr):
+                    BLOCK_T: tl.constexpr, HAS_TAIL: tl.constexpr, EVEN_V: tl.constexpr,
+                    EVEN_T: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
     hb, tok, bat = tl.program_id(0), tl.program_id(1).to(tl.int64), tl.program_id(2).to(tl.int64)
     heads = hb * BLOCK_H + tl.arange(0, BLOCK_H)
     hmask = heads < n_heads
     dv = tl.arange(0, BLOCK_V)
-    vmask = dv < v_dim
+    # With the part exactly as wide as its tile the channel mask is a compile-time constant, which lets Triton
+    # prove 16-byte alignment and use vector loads and (in the backward) v4 atomics: 3x fewer atomic
+    # instructions at V3.2's 512 + 64 (checked in the PTX).
+    if EVEN_V:
+        vmask = dv < BLOCK_V
+    else:
+        vmask = dv < v_dim
     q_row = Q + bat * sq_b + tok * sq_s + heads[:, None] * sq_h
     q_v = tl.load(q_row + dv[None, :], mask=hmask[:, None] & vmask[None, :], other=0.0)
     if UPCAST:
         q_v = q_v.to(tl.float32)
     if HAS_TAIL:
         dt = tl.arange(0, BLOCK_T)
-        tmask = dt < d_tail
+        if EVEN_T:
+            tmask = dt < BLOCK_T
+        else:
+            tmask = dt < d_tail
         q_t = tl.load(q_row + v_dim + dt[None, :], mask=hmask[:, None] & tmask[None, :], other=0.0)
         if UPCAST:
             q_t = q_t.to(tl.float32)
@@ -114,13 +123,19 @@ def _sparse_mla_bwd(Q, KV, IDX, OUT, DO, LSE, DQ, DKV,
                     sl_b, sl_s, sdq_b, sdq_s, sdq_h, sdk_b, sdk_s,
                     n_heads, s_kv, n_sel, v_dim, d_tail, qk_scale, sm_scale,
                     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr,
-                    BLOCK_T: tl.constexpr, HAS_TAIL: tl.constexpr, PRECISION: tl.constexpr,
-                    UPCAST: tl.constexpr):
+                    BLOCK_T: tl.constexpr, HAS_TAIL: tl.constexpr, EVEN_V: tl.constexpr,
+                    EVEN_T: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
     hb, tok, bat = tl.program_id(0), tl.program_id(1).to(tl.int64), tl.program_id(2).to(tl.int64)
     heads = hb * BLOCK_H + tl.arange(0, BLOCK_H)
     hmask = heads < n_heads
     dv = tl.arange(0, BLOCK_V)
-    vmask = dv < v_dim
+    # With the part exactly as wide as its tile the channel mask is a compile-time constant, which lets Triton
+    # prove 16-byte alignment and use vector loads and (in the backward) v4 atomics: 3x fewer atomic
+    # instructions at V3.2's 512 + 64 (checked in the PTX).
+    if EVEN_V:
+        vmask = dv < BLOCK_V
+    else:
+        vmask = dv < v_dim
     hv_mask = hmask[:, None] & vmask[None, :]
     q_row = Q + bat * sq_b + tok * sq_s + heads[:, None] * sq_h
     q_v = tl.load(q_row + dv[None, :], mask=hv_mask, other=0.0)
@@ -136,7 +151,10 @@ def _sparse_mla_bwd(Q, KV, IDX, OUT, DO, LSE, DQ, DKV,
     dq_v = tl.zeros([BLOCK_H, BLOCK_V], tl.float32)
     if HAS_TAIL:
         dt = tl.arange(0, BLOCK_T)
-        tmask = dt < d_tail
+        if EVEN_T:
+            tmask = dt < BLOCK_T
+        else:
+            tmask = dt < d_tail
         q_t = tl.load(q_row + v_dim + dt[None, :], mask=hmask[:, None] & tmask[None, :], other=0.0)
         if UPCAST:
             q_t = q_t.to(tl.float32)
@@ -192,8 +210,9 @@ def why_not(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, v_dim: int
 def _dims(d: int, v_dim: int) -> dict[str, int | bool]:
     tail = d - v_dim
     # tl.dot needs every dimension >= 16, hence the floors.
-    return {"BLOCK_V": max(16, next_pow2(v_dim)), "BLOCK_T": max(16, next_pow2(max(tail, 1))),
-            "HAS_TAIL": tail > 0}
+    block_v, block_t = max(16, next_pow2(v_dim)), max(16, next_pow2(max(tail, 1)))
+    return {"BLOCK_V": block_v, "BLOCK_T": block_t, "HAS_TAIL": tail > 0,
+            "EVEN_V": block_v == v_dim, "EVEN_T": block_t == tail}
 
 
 def _block_h(n_heads: int, cap: int) -> int:
