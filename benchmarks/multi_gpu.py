@@ -15,7 +15,8 @@ torchrun). One-GPU runs that do not depend on each other run side by side on dif
   ``deepseek_v3_2_4l``; random HF weights from each preset's own config.json translation) on one GPU and at
   EP=2 (DP=2 for the dense parts): the loss of every step against the one-GPU run, tokens/s per GPU, memory.
 
-``--groups`` picks what runs (default: ``dense moe``).
+``--groups`` picks what runs (default: ``dense moe``); ``pp`` is the one-GPU ~1B run and PP=2 × VPP=2 alone
+(a re-check of the interleaved pipeline without the rest of ``dense``).
 
 Prints a table and writes JSON (command, versions, GPUs, every figure) to ``benchmarks/results/``.
 """
@@ -135,7 +136,7 @@ def main() -> None:
     p.add_argument("--warmup-skip", type=int, default=5, help="steps left out of the throughput")
     p.add_argument("--work", default="/tmp/loong-multi-gpu")
     p.add_argument("--out", default=None)
-    p.add_argument("--groups", nargs="+", choices=["dense", "moe"], default=["dense", "moe"])
+    p.add_argument("--groups", nargs="+", choices=["dense", "pp", "moe"], default=["dense", "moe"])
     p.add_argument("--moe-presets", nargs="+", choices=MOE_PRESETS, default=list(MOE_PRESETS))
     args = p.parse_args()
 
@@ -148,6 +149,8 @@ def main() -> None:
     summary: dict = {}
     if "dense" in args.groups:
         summary.update(dense_runs(args, work, runs, r))
+    if "pp" in args.groups and "dense" not in args.groups:
+        summary.update(pp_runs(args, work, runs, r))
     if "moe" in args.groups:
         summary.update(moe_runs(args, work, runs, r))
 
@@ -174,14 +177,27 @@ def main() -> None:
 
 def moe_runs(args: argparse.Namespace, work: Path, runs: Path, r: dict[str, dict]) -> dict:
     """Each MoE preset on one GPU and at EP=2; returns the loss gaps."""
+    hfs = {preset: make_hf_from_preset(preset, work / f"hf-{preset}") for preset in args.moe_presets}
+    with ThreadPoolExecutor(2) as pool:  # the one-GPU runs two at a time, one per GPU
+        ones = {preset: pool.submit(train, f"{preset}-1gpu", hf, runs, args, 1, str(i % 2))
+                for i, (preset, hf) in enumerate(hfs.items())}
+        for preset, fut in ones.items():
+            r[f"{preset}-1gpu"] = {**fut.result(), "ref": f"{preset}-1gpu"}
     gaps = {}
-    for preset in args.moe_presets:
-        hf = make_hf_from_preset(preset, work / f"hf-{preset}")
+    for preset, hf in hfs.items():
         one, ep2 = f"{preset}-1gpu", f"{preset}-ep2"
-        r[one] = {**train(one, hf, runs, args, 1, "0"), "ref": one}
         r[ep2] = {**train(ep2, hf, runs, args, 2, "0,1", "parallel.ep=2"), "ref": one}
         gaps[preset] = loss_gap(r[ep2], r[one])
     return {"moe_loss_gap_ep2_vs_1gpu": gaps}
+
+
+def pp_runs(args: argparse.Namespace, work: Path, runs: Path, r: dict[str, dict]) -> dict:
+    """The ~1B on one GPU and at PP=2 x VPP=2 only; returns the loss gap."""
+    hf1 = make_hf("1b", None, work / "hf-1b")
+    r["1b-1gpu"] = {**train("1b-1gpu", hf1, runs, args, 1, "0"), "ref": "1b-1gpu"}
+    r["1b-pp2-vpp2"] = {**train("1b-pp2-vpp2", hf1, runs, args, 2, "0,1", "parallel.pp=2", "parallel.vpp=2"),
+                        "ref": "1b-1gpu"}
+    return {"loss_gap_vs_1gpu": {"1b-pp2-vpp2": loss_gap(r["1b-pp2-vpp2"], r["1b-1gpu"])}}
 
 
 def dense_runs(args: argparse.Namespace, work: Path, runs: Path, r: dict[str, dict]) -> dict:
