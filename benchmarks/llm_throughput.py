@@ -56,7 +56,7 @@ ROWS: dict[str, str] = {
     "loong_bf16": "Loong bf16",
     **{f"loong_fp8_{r}": f"Loong FP8 {r}" for r in FP8_RECIPES},
 }
-SETTINGS = ("preset", "seq", "mbs", "gbs", "steps", "lr", "min_lr", "lr_warmup", "data")
+SETTINGS = ("preset", "seq", "mbs", "gbs", "steps", "lr", "min_lr", "lr_warmup", "data", "seed")
 
 
 def stdlib_corpus(out: Path) -> dict:
@@ -139,7 +139,8 @@ def _hf_worker(args: argparse.Namespace) -> None:
     from loong.llm.models.config import training_flops_per_token
     from loong.llm.schema import LLMRunConfig
 
-    cfg, _ = compose_config("loong.llm.configs", "pretrain", [f"model={args.preset}"], LLMRunConfig)
+    cfg, _ = compose_config("loong.llm.configs", "pretrain", [f"model={args.preset}", f"train.seed={args.seed}"],
+                            LLMRunConfig)
     m, d = cfg.model, cfg.data
     rope = None
     if m.rope_scaling is not None:
@@ -213,7 +214,7 @@ def _hf(args: argparse.Namespace, compile_: bool) -> dict:
 def _run_row(name: str, args: argparse.Namespace, tmp: Path) -> dict:
     if name.startswith("hf_"):
         return _hf(args, compile_=name == "hf_compile")
-    overrides = ["model.fused_kernels=auto"]
+    overrides = ["model.fused_kernels=auto", f"train.seed={args.seed}"]
     if name.startswith("loong_fp8_"):
         overrides.append(f"precision.fp8={name.removeprefix('loong_fp8_')}")
     if args.profile:
@@ -293,6 +294,7 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=10, help="steps left out of the throughput figures")
     p.add_argument("--data", choices=["stdlib", "shipped"], default="stdlib", help="see the module docstring")
     p.add_argument("--data-path", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--seed", type=int, default=1234, help="initialisation and data-order seed (train.seed)")
     p.add_argument("--rows", nargs="+", default=list(ROWS), choices=list(ROWS))
     p.add_argument("--profile", type=int, nargs=2, metavar=("START", "END"), default=None,
                    help="torch.profiler over these steps of every Loong row; top operators go into the JSON")
@@ -311,7 +313,7 @@ def main() -> None:
     if args.merge:
         earlier = json.loads(Path(args.merge).read_text())
         # files from before --data existed were measured on the shipped corpus
-        before = {**earlier["args"], "data": earlier["args"].get("data", "shipped")}
+        before = {"data": "shipped", "seed": 1234, **earlier["args"]}
         differ = {k: (before[k], getattr(args, k)) for k in SETTINGS if before[k] != getattr(args, k)}
         if differ:
             p.error(f"--merge {args.merge}: settings differ (earlier, now): {differ}")

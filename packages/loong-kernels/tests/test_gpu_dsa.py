@@ -88,6 +88,22 @@ def test_sparse_mla_fp32_matches_reference():
         assert _rel(a, b) < 1e-5
 
 
+def test_sparse_mla_beyond_65535_tokens():
+    """More tokens than CUDA's grid axes 1 and 2 allow (65535): every row must still be computed."""
+    s, heads, d, v_dim, topk = 70_000, 16, 576, 512, 16
+    q = torch.randn(1, s, heads, d, device="cuda", requires_grad=True)
+    kv = torch.randn(1, s, d, device="cuda", requires_grad=True)
+    # each token attends to itself and its 15 predecessors (fewer at the start: -1 pads)
+    idx = torch.arange(s, device="cuda")[:, None] - torch.arange(topk, device="cuda")[None, :]
+    idx = torch.where(idx >= 0, idx, -1).int()[None]
+    probe = torch.randn(1, s, heads, v_dim, device="cuda")
+    got = _run(lambda *a, **k: K.sparse_mla_attention(*a, **k, backend="triton"), q, kv, idx, 0.05, v_dim, probe)
+    ref = _run(K.sparse_mla_attention_reference, q, kv, idx, 0.05, v_dim, probe)
+    for a, b in zip(got, ref, strict=True):
+        assert _rel(a[:, -100:], b[:, -100:]) < 1e-5  # the last rows, past the old limit
+        assert _rel(a, b) < 1e-5
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_indexer_topk(dtype):
     s, heads, dim, topk = 4096, 64, 128, 2048

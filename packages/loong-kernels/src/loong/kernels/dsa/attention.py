@@ -5,7 +5,7 @@ its first ``v_dim`` channels), ``indices [B, S, K]``. A row's ``D`` channels are
 ``[0, v_dim)`` and the *tail* ``[v_dim, D)`` (the 64 RoPE channels in V3.2), each padded to a power of two,
 so D = 576 costs 512 + 64 lanes rather than 1024.
 
-Forward: one program per (head block, token, batch). It loads ``BLOCK_H`` heads of the query once and walks
+Forward: one program per (head block, token) and batch. It loads ``BLOCK_H`` heads of the query once and walks
 the token's selected keys ``BLOCK_N`` at a time: the gathered kv tile ``[BLOCK_N, D]`` is read once and used
 by all ``BLOCK_H`` heads for both ``q . k`` and ``p @ v`` (this sharing, as in FlashMLA's sparse kernel, is
 where the speed comes from: with H = 128 and BLOCK_H = 64 each selected row is gathered twice per token
@@ -53,7 +53,10 @@ def _sparse_mla_fwd(Q, KV, IDX, OUT, LSE,
                     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr,
                     BLOCK_T: tl.constexpr, HAS_TAIL: tl.constexpr, EVEN_V: tl.constexpr,
                     EVEN_T: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
-    hb, tok, bat = tl.program_id(0), tl.program_id(1).to(tl.int64), tl.program_id(2).to(tl.int64)
+    # (head block, token) share grid axis 0: axis 1 is capped at 65535 (a 64K sequence overflows it), and the
+    # head blocks of one token stay adjacent, so they read its gathered kv rows while those are in L2.
+    n_hb = tl.cdiv(n_heads, BLOCK_H)
+    hb, tok, bat = tl.program_id(0) % n_hb, (tl.program_id(0) // n_hb).to(tl.int64), tl.program_id(1).to(tl.int64)
     heads = hb * BLOCK_H + tl.arange(0, BLOCK_H)
     hmask = heads < n_heads
     dv = tl.arange(0, BLOCK_V)
@@ -125,7 +128,10 @@ def _sparse_mla_bwd(Q, KV, IDX, OUT, DO, LSE, DQ, DKV,
                     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr,
                     BLOCK_T: tl.constexpr, HAS_TAIL: tl.constexpr, EVEN_V: tl.constexpr,
                     EVEN_T: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
-    hb, tok, bat = tl.program_id(0), tl.program_id(1).to(tl.int64), tl.program_id(2).to(tl.int64)
+    # (head block, token) share grid axis 0: axis 1 is capped at 65535 (a 64K sequence overflows it), and the
+    # head blocks of one token stay adjacent, so they read its gathered kv rows while those are in L2.
+    n_hb = tl.cdiv(n_heads, BLOCK_H)
+    hb, tok, bat = tl.program_id(0) % n_hb, (tl.program_id(0) // n_hb).to(tl.int64), tl.program_id(1).to(tl.int64)
     heads = hb * BLOCK_H + tl.arange(0, BLOCK_H)
     hmask = heads < n_heads
     dv = tl.arange(0, BLOCK_V)
@@ -239,7 +245,7 @@ class _SparseMLAFn(torch.autograd.Function):
         block_h = _block_h(h, cfg.pop("BLOCK_H"))
         prec = "ieee" if q.dtype == torch.float32 else "tf32"
         if b and s and h:
-            _sparse_mla_fwd[(cdiv(h, block_h), s, b)](
+            _sparse_mla_fwd[(cdiv(h, block_h) * s, b)](
                 q, kv, indices, out, lse,
                 q.stride(0), q.stride(1), q.stride(2), kv.stride(0), kv.stride(1),
                 indices.stride(0), indices.stride(1), out.stride(0), out.stride(1), out.stride(2),
@@ -265,7 +271,7 @@ class _SparseMLAFn(torch.autograd.Function):
         block_h = _block_h(h, cfg.pop("BLOCK_H"))
         prec = "ieee" if q.dtype == torch.float32 else "tf32"
         if b and s and h:
-            _sparse_mla_bwd[(cdiv(h, block_h), s, b)](
+            _sparse_mla_bwd[(cdiv(h, block_h) * s, b)](
                 q, kv, indices, out, dout, lse, dq, dkv,
                 q.stride(0), q.stride(1), q.stride(2), kv.stride(0), kv.stride(1),
                 indices.stride(0), indices.stride(1), out.stride(0), out.stride(1), out.stride(2),
