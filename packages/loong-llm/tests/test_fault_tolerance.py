@@ -206,11 +206,11 @@ def test_checkpoint_records_everything_a_continuation_needs(reference) -> None: 
 
 
 # --- NaN / Inf policy ---------------------------------------------------------------------------
-def _nan_run(tmp_path: Path, policy: str) -> tuple[int, str, Path]:
+def _nan_run(tmp_path: Path, policy: str, fault: str = "nan:3") -> tuple[int, str, Path]:
     sys.path.insert(0, str(WORKERS))
     import fault_run  # registers the test-only task "test.faulty"
 
-    fault_run.FAULT = "nan:3"
+    fault_run.FAULT = fault
     try:
         run = tmp_path / policy
         rc, log = _train_in_process(run, "task=test.faulty", f"train.on_nonfinite={policy}")
@@ -229,6 +229,14 @@ def test_nonfinite_stop(tmp_path: Path) -> None:
     assert "step 3 (global batch 2): the loss term 'loss' is NaN/Inf" in log and "stopped" in log
     verify_checkpoint(run / "checkpoints" / "step_00000002")  # the last good checkpoint is intact
     assert not (run / "checkpoints" / "step_00000004").exists()
+
+
+def test_nonfinite_gradient_names_its_parameters(tmp_path: Path) -> None:
+    """A finite loss with a NaN gradient: the stop message says which parameters' gradients were not finite."""
+    rc, log, _ = _nan_run(tmp_path, "stop", "nangrad:2")
+    assert rc != 0
+    assert ("step 2 (global batch 1): the loss term 'loss' is finite" in log
+            and "gradients are non-finite in 1 parameter (decoder.final_layernorm.weight)" in log), log[-2000:]
 
 
 def test_nonfinite_skip(tmp_path: Path) -> None:

@@ -10,7 +10,8 @@ PretrainTask registered here; nothing in the package is patched):
                  trainer state are on disk, the manifest and the rename are not (rank 0);
 - ``raise:N``    an exception in step N's forward on the first attempt only (torchrun's
                  ``TORCHELASTIC_RESTART_COUNT`` is 0): an elastic restart then succeeds;
-- ``nan:N``      the loss of step N's batch is NaN every time that batch is trained on.
+- ``nan:N``      the loss of step N's batch is NaN every time that batch is trained on;
+- ``nangrad:N``  step N's loss stays finite but the final norm's weight gets a NaN gradient.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import torch
 
 from loong.core.registry import TASKS
 from loong.core.run import train
+from loong.core.state import unwrap
 from loong.llm.pretrain import PretrainTask
 from loong.llm.schema import LLMRunConfig
 
@@ -36,6 +38,18 @@ def _fault() -> tuple[str, int]:
 
 def _rank0() -> bool:
     return os.environ.get("RANK", "0") == "0"
+
+
+class _NaNGradient(torch.autograd.Function):
+    """Identity forward; a NaN gradient backward."""
+
+    @staticmethod
+    def forward(ctx, x):  # noqa: ANN001, ANN205
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):  # noqa: ANN001, ANN205
+        return torch.full_like(g, float("nan"))
 
 
 @TASKS.register("test.faulty")
@@ -60,6 +74,9 @@ class FaultyTask(PretrainTask):
         output, loss_func = super().forward_step(data_iterator, model)
         if kind == "nan" and model.training and self._batch == n - 1:
             output = output * torch.tensor(float("nan"))
+        if kind == "nangrad" and model.training and self._batch == n - 1:
+            weight = unwrap(model).decoder.final_layernorm.weight
+            output = output + 0.0 * _NaNGradient.apply(weight).sum()  # a finite loss, a NaN gradient
         return output, loss_func
 
     def after_train_step(self, step, extra):  # noqa: ANN001, ANN201

@@ -19,6 +19,7 @@ class StepMetrics:
     skipped: bool = False
     nonfinite: bool = False  # the loss or a gradient was NaN/Inf; the update was not applied
     extra: dict[str, float] = field(default_factory=dict)
+    nonfinite_params: list[str] = field(default_factory=list)  # parameters with NaN/Inf gradients (all ranks)
 
 
 class Engine(ABC):

@@ -183,6 +183,15 @@ class MegatronEngine(Engine):
         dist.all_reduce(flags, op=dist.ReduceOp.MAX)
         return bool(flags[0] > 0), bool(flags[1] > 0)
 
+    def _nonfinite_params(self) -> list[str]:
+        """Names of the parameters whose gradient holds NaN/Inf, over every rank (sorted; only called once a
+        step is already known to be bad, so the per-parameter host syncs do not cost a healthy step)."""
+        local = sorted({name for chunk in self.model_chunks for name, p in unwrap(chunk).named_parameters()
+                        if getattr(p, "main_grad", None) is not None and not torch.isfinite(p.main_grad).all()})
+        gathered: list[list[str] | None] = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, local)
+        return sorted({name for names in gathered for name in names or []})
+
     def train_step(self, step: int) -> StepMetrics:
         for m in self.model_chunks:
             m.train()
@@ -196,11 +205,12 @@ class MegatronEngine(Engine):
         extra = {"compute_s": self._compute_end - started} if self._measure else {}
         loss_bad, grads_bad = self._nonfinite(loss)
         if loss_bad or grads_bad:
+            names = self._nonfinite_params() if grads_bad else []
             for m in self.model_chunks:
                 m.zero_grad_buffer()
             extra.update(loss_finite=float(not loss_bad), grads_nonfinite=float(grads_bad))
             return StepMetrics(loss=loss, lr=float(self.optimizer.param_groups[0]["lr"]), skipped=True,
-                               nonfinite=True, extra=extra)
+                               nonfinite=True, extra=extra, nonfinite_params=names)
         ok, grad_norm, _ = self.optimizer.step()
         if ok:
             self.scheduler.step(increment=1)

@@ -36,11 +36,17 @@ class BatchSchedule:
 
 
 def nonfinite_diagnostic(step: int, batch: int, metrics: StepMetrics) -> str:
-    """One line: which step and batch, which term was not finite, the gradient state."""
+    """One line: which step and batch, which term was not finite, the gradient state and the parameters whose
+    gradients were NaN/Inf (the first few, when the loss itself was finite: a NaN loss poisons every one)."""
     grads = "non-finite" if metrics.extra.get("grads_nonfinite") else "finite"
-    loss_state = "finite" if metrics.extra.get("loss_finite", 0.0) else "NaN/Inf"
-    return (f"step {step} (global batch {batch}): the loss term 'loss' is {loss_state} "
+    loss_ok = bool(metrics.extra.get("loss_finite", 0.0))
+    line = (f"step {step} (global batch {batch}): the loss term 'loss' is {'finite' if loss_ok else 'NaN/Inf'} "
             f"(reported {metrics.loss}), gradients are {grads}")
+    names = metrics.nonfinite_params
+    if names and loss_ok:
+        shown = ", ".join(names[:6]) + (f" and {len(names) - 6} more" if len(names) > 6 else "")
+        line += f" in {len(names)} parameter{'s' if len(names) > 1 else ''} ({shown})"
+    return line
 
 
 def model_differences(saved: dict[str, Any], current: dict[str, Any], prefix: str = "model") -> list[str]:
