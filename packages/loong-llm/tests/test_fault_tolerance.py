@@ -33,7 +33,7 @@ STEPS = 6
 COMMON = ["model.num_layers=2", f"train.steps={STEPS}", "train.seq_length=32", "train.global_batch_size=8",
           "train.micro_batch_size=2", "train.save_interval=2", "train.eval_iters=0", "train.progress=false"]
 LAYOUTS = {"tp1": (1, []), "tp2": (2, ["parallel.tp=2"]), "pp2": (2, ["parallel.pp=2"]),
-           "tp1-async": (1, ["train.async_save=true"])}
+           "tp1-async": (1, ["train.async_save=true"]), "tp1-fused": (1, ["train.optimizer_impl=fused"])}
 
 
 def _launch(fault: str, out: Path, name: str, layout: str, *extra: str, max_restarts: int = 0) -> tuple[int, str]:
@@ -95,7 +95,7 @@ def reference(root: Path):  # noqa: ANN201
 # --- kill anywhere, resume, continue bit for bit --------------------------------------------------
 @pytest.mark.parametrize("layout,fault,resumed_from", [
     ("tp1", "forward:3", 2), ("tp1", "between:3", 2), ("tp1", "save:4", 2),
-    ("tp2", "forward:3", 2), ("pp2", "save:4", 2),
+    ("tp2", "forward:3", 2), ("pp2", "save:4", 2), ("tp1-fused", "between:3", 2),
     # killed in step 5, while the step-4 async save may still be writing: 4 if it finished, else 2
     ("tp1-async", "forward:5", (4, 2)),
 ])  # fmt: skip

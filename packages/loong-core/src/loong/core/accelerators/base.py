@@ -74,6 +74,10 @@ class Accelerator:
     def reset_peak_memory(self) -> None:
         """Reset the peak-memory counter."""
 
+    def adam_implementation(self) -> str:
+        """torch AdamW's implementation for ``train.optimizer_impl=auto``: ``"foreach"`` or ``"fused"``."""
+        return "foreach"
+
     def megatron_config_overrides(self) -> dict:
         """TransformerConfig fields this hardware needs (e.g. initialising weights on the host)."""
         return {}

@@ -82,6 +82,9 @@ class TrainConfig:
     seed: int = 1234
     precision: Literal["auto", "bf16", "fp32"] = "auto"
     distributed_optimizer: bool = False
+    # torch AdamW's implementation (megatron-core's optimizer without Apex/TE): "auto" is the accelerator's
+    # choice (the fused kernel on CUDA: no full-size temporaries, one launch per group; foreach elsewhere)
+    optimizer_impl: Literal["auto", "foreach", "fused"] = "auto"
     log_interval: int = 1
     eval_interval: int = 50
     eval_iters: int = 2

@@ -113,6 +113,9 @@ class MegatronEngine(Engine):
             ),
             self.model_chunks,
         )
+        impl = t.optimizer_impl if t.optimizer_impl != "auto" else self.accelerator.adam_implementation()
+        self.adam_fused = impl == "fused"
+        self._apply_adam_implementation()
         warmup = min(t.warmup_steps, max(t.steps - 1, 0))
         self.scheduler = OptimizerParamScheduler(
             self.optimizer, init_lr=0.0 if warmup else t.lr, max_lr=t.lr, min_lr=t.min_lr,
@@ -334,6 +337,31 @@ class MegatronEngine(Engine):
                 f"etp={now[1]}), or train with train.distributed_optimizer=false to change ep/etp/tp/pp"
             )
 
+    def _torch_adams(self) -> list[torch.optim.Optimizer]:
+        """The torch Adam/AdamW instances inside megatron-core's (possibly chained) optimiser."""
+        inner = (getattr(o, "optimizer", None) for o in getattr(self.optimizer, "chained_optimizers", [self.optimizer]))
+        return [o for o in inner if isinstance(o, torch.optim.Adam)]
+
+    def _apply_adam_implementation(self) -> None:
+        """Switch torch AdamW to its fused kernel when chosen; called after building and after every load.
+
+        megatron-core builds ``torch.optim.AdamW`` with torch's defaults (foreach), and loading a checkpoint
+        restores the saved groups' flags, so the choice is re-applied after each load. The fused kernel keeps
+        each parameter's ``step`` on the parameter's device in fp32 (foreach keeps it on the host); existing
+        steps are moved there, with their values unchanged, so a checkpoint from either implementation resumes
+        in the other.
+        """
+        if not self.adam_fused:
+            return
+        for opt in self._torch_adams():
+            opt.defaults.update(fused=True, foreach=False)
+            for group in opt.param_groups:
+                group.update(fused=True, foreach=False)
+                for param in group["params"]:
+                    state = opt.state.get(param)
+                    if state and isinstance(state.get("step"), torch.Tensor):
+                        state["step"] = state["step"].to(device=param.device, dtype=torch.float32)
+
     def _restore_adam_steps(self) -> None:
         """Give torch Adam's per-parameter ``step`` the loaded step of its group (distributed optimiser).
 
@@ -392,6 +420,7 @@ class MegatronEngine(Engine):
                     self._restore_adam_steps()
                 else:
                     load_merged_state_dict(self.optimizer, loaded["optimizer"])
+            self._apply_adam_implementation()
 
     def scheduler_state(self) -> dict:
         """Scheduler counters (saved in ``trainer_state.json``)."""
