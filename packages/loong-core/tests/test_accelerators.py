@@ -55,6 +55,8 @@ def test_class_contract(name: str) -> None:
     assert reason is None or (isinstance(reason, str) and reason.strip())
     info = cls.runtime_info()
     assert isinstance(info, dict) and all(isinstance(k, str) and isinstance(v, str) for k, v in info.items())
+    # train.optimizer_impl=auto takes this; a plain method (no device needed), answered without activation
+    assert cls.adam_implementation(cls.__new__(cls)) in ("foreach", "fused")
 
 
 def test_priorities_are_distinct() -> None:
