@@ -254,6 +254,40 @@ def test_mtp_loss_matches_plain_pytorch_reference(cpu, tmp_path):
     assert _rel(grad, w.grad) <= 1e-4
 
 
+@pytest.mark.parametrize("per_token", [False, True])
+def test_fused_loss_with_mtp_equals_megatrons_path(cpu, tmp_path, per_token):
+    """With MTP, the fused loss (reference backend on CPU) gives megatron's unfused path's per-token main loss,
+    logged MTP loss and every gradient: the MTP layers' rolled labels and mask, and their MTPLossAutoScaler terms
+    (also with calculate_per_token_loss), are reproduced without their [s, b, V] logits."""
+    from megatron.core.transformer.multi_token_prediction import MTPLossAutoScaler, MTPLossLoggingHelper
+
+    _, _, cfg, native = _mtp_model(cpu, tmp_path)
+    tokens, pos = _inputs(cfg.vocab_size)
+    labels = tokens.roll(-1, dims=1)
+    mask = torch.ones_like(tokens, dtype=torch.float32)
+    mask[:, -1] = 0
+    mask[0, 5:9] = 0  # masked positions inside the sequence roll into the MTP layers' masks too
+    runs = []
+    for fused in (None, FusedKernels(cross_entropy=True, backend="reference")):
+        model = _loong(cpu, cfg, fused)
+        model.config.calculate_per_token_loss = per_token
+        load_full_state([model], native)
+        model.train()
+        MTPLossLoggingHelper.clean_metrics_in_tracker()
+        MTPLossAutoScaler.set_loss_scale(torch.tensor(1.0))
+        losses = model(tokens, pos, None, labels=labels, loss_mask=mask)
+        logged = MTPLossLoggingHelper.tracker["loss_values"][0].item()
+        ((losses * mask).sum() / mask.sum()).backward()
+        runs.append((losses.detach(), logged, {n: p.grad.clone() for n, p in model.named_parameters()
+                                                if p.grad is not None}))
+        MTPLossLoggingHelper.clean_metrics_in_tracker()
+    (ref_losses, ref_logged, ref_grads), (losses, logged, grads) = runs
+    assert _rel(losses, ref_losses) <= TOL and abs(logged - ref_logged) / ref_logged <= TOL
+    assert grads.keys() == ref_grads.keys() and any(k.startswith("mtp.") for k in grads)
+    for name, g in grads.items():
+        assert _rel(g, ref_grads[name]) <= 1e-5, name
+
+
 @torch.no_grad()
 def test_loong_to_hf_export_loads_in_transformers(cpu, tmp_path):
     hf, loong, cfg, _ = _mtp_model(cpu, tmp_path)

@@ -14,8 +14,10 @@ bit-identical to the stock model's.
 
 With ``fused_kernels.cross_entropy`` the training / evaluation loss skips the ``[s, b, V]`` logits: the
 output layer's GEMM and the cross-entropy run chunked in loong-kernels (:func:`~loong.llm.models.fused.fused_lm_loss`),
-returning the same fp32 per-token losses ``[b, s]``. Everything else (logits without labels, inference,
-multi-token prediction, a LoRA-wrapped or sequence-parallel output layer, MuP scaling) takes megatron's path.
+returning the same fp32 per-token losses ``[b, s]``. With multi-token prediction each MTP
+layer's loss is fused the same way (megatron's ``process_mtp_loss`` would compute its logits). Everything else
+(logits without labels, inference, packed or context-parallel sequences with MTP, a LoRA-wrapped or
+sequence-parallel output layer, MuP scaling) takes megatron's path.
 """
 
 from __future__ import annotations
@@ -100,7 +102,9 @@ class LoongGPTModel(GPTModel):
     def _fused_loss_applies(self, labels: torch.Tensor | None, kw: dict) -> bool:
         if not (self.fused_kernels.cross_entropy and self.post_process and labels is not None):
             return False
-        if kw.get("mtp_in_postprocess") or self.config.mtp_num_layers or kw.get("output_processor") is not None:
+        if kw.get("output_processor") is not None:
+            return False
+        if self.config.mtp_num_layers and not self._fused_mtp_applies(kw):
             return False
         if kw.get("inference_context") is not None or kw.get("inference_params") is not None:
             return False
@@ -111,10 +115,73 @@ class LoongGPTModel(GPTModel):
         return (type(out) is ColumnParallelLinear and not out.sequence_parallel
                 and self.config.tensor_model_parallel_size == 1 and not InferenceMode.is_active())
 
+    def _fused_mtp_applies(self, kw: dict) -> bool:
+        """Multi-token prediction in this chunk, on whole sequences without context parallelism (the case
+        :meth:`_fused_mtp_loss` handles; packed or CP-split sequences roll their labels differently)."""
+        cp = self.pg_collection.cp
+        return (bool(kw.get("mtp_in_postprocess")) and kw.get("packed_seq_params") is None
+                and (cp is None or cp.size() == 1))
+
+    def _output_weight(self) -> torch.Tensor:
+        return self.shared_embedding_or_output_weight() if self.share_embeddings_and_output_weights \
+            else self.output_layer.weight
+
+    def _fused_mtp_loss(self, hidden_states: torch.Tensor, input_ids: torch.Tensor, position_ids: torch.Tensor,
+                        labels: torch.Tensor, kw: dict) -> torch.Tensor:
+        """megatron-core's MTP block, then its ``process_mtp_loss`` with the fused loss in place of each MTP
+        layer's ``[s, b, V]`` logits: the same rolled labels and loss mask, the same
+        ``MTPLossAutoScaler`` terms and the same logged loss. Returns the main model's hidden states.
+
+        The acceptance counts megatron also logs need the logits this path avoids; they are recorded as 0 of 0
+        (Loong logs ``mtp_loss`` only).
+        """
+        from megatron.core.transformer.multi_token_prediction import (
+            MTPLossAutoScaler,
+            MTPLossLoggingHelper,
+            roll_tensor,
+        )
+
+        cfg = self.config
+        hidden_states = self.mtp(
+            input_ids=input_ids, position_ids=position_ids, hidden_states=hidden_states,
+            attention_mask=kw.get("attention_mask"), inference_params=None,
+            rotary_pos_emb=kw.get("rotary_pos_emb"), rotary_pos_cos=kw.get("rotary_pos_cos"),
+            rotary_pos_sin=kw.get("rotary_pos_sin"), packed_seq_params=None,
+            sequence_len_offset=kw.get("sequence_len_offset"), padding_mask=kw.get("padding_mask"),
+            embedding=self.embedding, **(kw.get("extra_block_kwargs") or {}),
+        )
+        chunks = torch.chunk(hidden_states, 1 + cfg.mtp_num_layers, dim=0)
+        main = chunks[0]
+        weight = self._output_weight()
+        if cfg.mtp_detach_heads:
+            weight = weight.detach()
+        mtp_labels = labels.clone()
+        loss_mask = kw.get("loss_mask")
+        if loss_mask is None:
+            loss_mask = torch.ones_like(mtp_labels)
+        original_num_tokens = loss_mask.sum()
+        cp = self.pg_collection.cp
+        zero = torch.zeros((), device=main.device)
+        for layer in range(cfg.mtp_num_layers):
+            mtp_labels, _ = roll_tensor(mtp_labels, shifts=-1, dims=-1, cp_group=cp)
+            loss_mask, num_tokens = roll_tensor(loss_mask, shifts=-1, dims=-1, cp_group=cp)
+            mtp_loss = loss_mask * fused_lm_loss(chunks[layer + 1], weight, mtp_labels, self.fused_kernels.backend)
+            safe = num_tokens.clamp(min=1)
+            if self.training:
+                logged = mtp_loss.sum() * (num_tokens > 0).to(mtp_loss.dtype) / safe
+                MTPLossLoggingHelper.save_metrics_to_tracker(
+                    logged, zero, zero, layer, cfg.mtp_num_layers, avg_group=getattr(self.pg_collection, "dp_cp", None))
+            scale = cfg.mtp_loss_scaling_factor / cfg.mtp_num_layers
+            if cfg.calculate_per_token_loss:  # finalize_model_grads divides by the main loss's token count
+                main = MTPLossAutoScaler.apply(main, scale * mtp_loss * (original_num_tokens / safe))
+            else:
+                main = MTPLossAutoScaler.apply(main, scale * mtp_loss / safe)
+        return main
+
     def _postprocess(self, hidden_states: torch.Tensor, input_ids: torch.Tensor, position_ids: torch.Tensor,
                      labels: torch.Tensor | None, *args: Any, **kwargs: Any) -> torch.Tensor:
         if args or not self._fused_loss_applies(labels, kwargs):
             return super()._postprocess(hidden_states, input_ids, position_ids, labels, *args, **kwargs)
-        weight = self.shared_embedding_or_output_weight() if self.share_embeddings_and_output_weights \
-            else self.output_layer.weight
-        return fused_lm_loss(hidden_states, weight, labels, self.fused_kernels.backend)
+        if self.config.mtp_num_layers:
+            hidden_states = self._fused_mtp_loss(hidden_states, input_ids, position_ids, labels, kwargs)
+        return fused_lm_loss(hidden_states, self._output_weight(), labels, self.fused_kernels.backend)
