@@ -77,3 +77,21 @@ def test_auto_follows_the_accelerator() -> None:
     assert flags == {(True, False)}
     _, flags, _ = _run(PrefersFused(), "foreach", 1)
     assert flags == {(None, None)}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_auto_is_fused_and_resumes_across_implementations(tmp_path: Path) -> None:
+    """On CUDA ``auto`` is torch's fused AdamW with fp32 steps on the GPU; it trains like foreach (bf16, so not
+    bitwise) and resumes from a foreach checkpoint with the steps moved onto the GPU."""
+    from loong.core.accelerators.cuda import CUDAAccelerator
+
+    fused, flags, steps = _run(CUDAAccelerator(), "auto", 3)
+    assert flags == {(True, False)}
+    assert steps and all(s.is_cuda and s.dtype == torch.float32 and float(s) == 3 for s in steps)
+    foreach, flags, steps = _run(CUDAAccelerator(), "foreach", 3, save=tmp_path / "foreach")
+    assert flags == {(None, None)} and all(not s.is_cuda for s in steps)
+    assert fused[0] == foreach[0] and fused == pytest.approx(foreach, rel=1e-2)  # the first loss precedes any update
+    resumed, flags, steps = _run(CUDAAccelerator(), "auto", 1, load=tmp_path / "foreach")
+    assert flags == {(True, False)} and all(s.is_cuda and float(s) == 4 for s in steps)
+    assert resumed[0] < foreach[0]
