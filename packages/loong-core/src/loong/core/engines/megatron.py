@@ -345,8 +345,8 @@ class MegatronEngine(Engine):
     def _apply_adam_implementation(self) -> None:
         """Switch torch AdamW to its fused kernel when chosen; called after building and after every load.
 
-        megatron-core builds ``torch.optim.AdamW`` with torch's defaults (foreach), and loading a checkpoint
-        restores the saved groups' flags, so the choice is re-applied after each load. The fused kernel keeps
+        megatron-core builds ``torch.optim.AdamW`` with torch's defaults (foreach), and torch's
+        ``load_state_dict`` takes the saved groups' flags, so the choice is re-applied after each load. The fused kernel keeps
         each parameter's ``step`` on the parameter's device in fp32 (foreach keeps it on the host); existing
         steps are moved there, with their values unchanged, so a checkpoint from either implementation resumes
         in the other.
@@ -371,10 +371,7 @@ class MegatronEngine(Engine):
         bias correction restarted after every resume. One tensor per parameter: torch's foreach Adam
         increments each listed step tensor.
         """
-        for opt in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
-            inner = getattr(opt, "optimizer", None)
-            if inner is None:
-                continue
+        for inner in self._torch_adams():
             for group in inner.param_groups:
                 if group.get("step") is None:
                     continue
