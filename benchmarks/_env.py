@@ -1,11 +1,54 @@
-"""What every benchmark records beside its figures: package versions and the machine."""
+"""What every benchmark records beside its figures (package versions and the machine), and how it runs a child.
+
+Importing this module makes SIGTERM (what ``timeout`` sends) end the benchmark *and* the process groups of the
+children started by :func:`run_child`: a ``loong-llm train`` child left running would keep its GPU memory and
+make the next run fail to allocate.
+"""
 
 from __future__ import annotations
 
 import os
 import platform
+import signal
+import subprocess
+import threading
 from importlib import metadata
 from pathlib import Path
+
+_CHILD_GROUPS: set[int] = set()  # process groups of the running children of this benchmark process
+
+
+def _kill_children() -> None:
+    for group in list(_CHILD_GROUPS):
+        try:
+            os.killpg(group, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def _on_sigterm(signum: int, frame: object) -> None:
+    _kill_children()
+    raise SystemExit(128 + signum)
+
+
+if threading.current_thread() is threading.main_thread():
+    signal.signal(signal.SIGTERM, _on_sigterm)
+
+
+def run_child(cmd: list[str], env: dict | None = None) -> subprocess.CompletedProcess:
+    """``subprocess.run(cmd, capture_output=True, text=True, env=env)`` in its own process group (torchrun's
+    workers included), which is killed if this benchmark is terminated or interrupted."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                            start_new_session=True)
+    _CHILD_GROUPS.add(proc.pid)
+    try:
+        out, err = proc.communicate()
+    finally:
+        if proc.poll() is None:  # interrupted (Ctrl-C, SystemExit): take the whole group down
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        _CHILD_GROUPS.discard(proc.pid)
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
 def versions(names: list[str]) -> dict:

@@ -39,13 +39,12 @@ import argparse
 import json
 import math
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-from _env import host, versions  # benchmarks/_env.py (run as scripts from the repo root)
+from _env import host, run_child, versions  # benchmarks/_env.py (run as scripts from the repo root)
 
 RESULTS = Path(__file__).parent / "results"
 PEAK_BF16 = 989e12  # H200/H100 SXM dense bf16, the denominator MFU figures in this field use
@@ -91,7 +90,7 @@ def _loong(args: argparse.Namespace, out: Path, overrides: tuple[str, ...] = (),
            f"train.warmup_steps={getattr(args, 'lr_warmup', 5)}", f"output_dir={out}", f"run_name={run_name}",
            *([f"data.path={args.data_path}"] if getattr(args, "data_path", None) else []), *overrides]
     t0 = time.time()
-    proc = subprocess.run(cmd, capture_output=True, text=True)
+    proc = run_child(cmd)
     if proc.returncode:
         return {"error": proc.stderr[-3000:], "command": " ".join(cmd)}
     recs = [json.loads(x) for x in (out / run_name / "metrics.jsonl").read_text().splitlines()]
@@ -204,7 +203,7 @@ def _hf(args: argparse.Namespace, compile_: bool) -> dict:
            *[f"--{k.replace('_', '-')}={getattr(args, k)}" for k in (*SETTINGS, "warmup")],
            *([f"--data-path={args.data_path}"] if args.data_path else [])]
     t0 = time.time()
-    proc = subprocess.run(cmd, capture_output=True, text=True)
+    proc = run_child(cmd)
     if proc.returncode:
         return {"error": proc.stderr[-3000:], "command": " ".join(cmd[1:])}
     return {"command": " ".join(cmd[1:]), **json.loads(proc.stdout.strip().splitlines()[-1]),

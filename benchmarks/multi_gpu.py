@@ -26,14 +26,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _env import host, versions  # noqa: E402
+from _env import host, run_child, versions  # noqa: E402
 
 SHAPES = {  # HF LlamaConfig fields of the two presets (see loong/llm/configs/model/*.yaml)
     "1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
@@ -100,7 +99,7 @@ def train(name: str, hf: Path, out: Path, args: argparse.Namespace, nproc: int, 
            f"output_dir={out}", f"run_name={name}", *overrides]
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": gpus}
     started = time.perf_counter()
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    proc = run_child(cmd, env=env)
     wall = time.perf_counter() - started
     if proc.returncode != 0:
         print(f"{name}: FAILED\n{proc.stderr[-3000:]}", file=sys.stderr)
