@@ -1,4 +1,5 @@
-"""Shared fixtures: tiny random Hugging Face checkpoints built in-process (no downloads)."""
+"""Shared fixtures: tiny random Hugging Face checkpoints built in-process (no downloads), a one-rank CPU world
+and a builder of Loong models in it."""
 
 from __future__ import annotations
 
@@ -6,6 +7,35 @@ from pathlib import Path
 
 import pytest
 import torch
+
+
+@pytest.fixture(scope="module")
+def cpu_world():  # noqa: ANN201
+    """``(accelerator, layout)`` of a one-process CPU world, for the module's tests."""
+    from loong.core.accelerators import select_accelerator
+    from loong.core.parallel import world
+
+    acc = select_accelerator("cpu")
+    with world(acc) as layout:
+        yield acc, layout
+
+
+@pytest.fixture(scope="module")
+def build_gpt(cpu_world):  # noqa: ANN001, ANN201
+    """``build_gpt(model_config)``: the fp32 Loong model of that config in the CPU world, seeded alike each time."""
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    from loong.core.config.schema import ParallelConfig
+    from loong.llm.models.build import build_gpt_model, transformer_config
+
+    acc, layout = cpu_world
+
+    def build(cfg):  # noqa: ANN001, ANN202
+        model_parallel_cuda_manual_seed(0)
+        tc = transformer_config(cfg, ParallelConfig(), torch.float32, {"use_cpu_initialization": True})
+        return build_gpt_model(cfg, tc, acc.capabilities(), True, True, layout.pg_collection)
+
+    return build
 
 
 @pytest.fixture(scope="session")

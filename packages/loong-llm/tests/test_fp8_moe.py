@@ -14,11 +14,8 @@ import re
 import pytest
 import torch
 
-from loong.core.accelerators import select_accelerator
-from loong.core.config.schema import ParallelConfig, PrecisionConfig
-from loong.core.parallel import world
+from loong.core.config.schema import PrecisionConfig
 from loong.core.precision import convert_linears, plan_fp8
-from loong.llm.models.build import build_gpt_model, transformer_config
 from loong.llm.models.config import DenseModelConfig
 
 MOE = DenseModelConfig(family="qwen3_moe", num_layers=2, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4,
@@ -28,22 +25,6 @@ MLA = dataclasses.replace(MOE, family="deepseek_v3", qk_norm=False, q_lora_rank=
                           qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=16, moe_shared_experts=1,
                           first_k_dense_replace=1, moe_router_score_function="sigmoid",
                           moe_router_enable_expert_bias=True, moe_aux_loss_coeff=0.0)
-
-
-@pytest.fixture(scope="module")
-def cpu():
-    acc = select_accelerator("cpu")
-    with world(acc) as layout:
-        yield acc, layout
-
-
-def _build(cpu, cfg: DenseModelConfig) -> torch.nn.Module:
-    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
-
-    acc, layout = cpu
-    model_parallel_cuda_manual_seed(0)
-    tc = transformer_config(cfg, ParallelConfig(), torch.float32, {"use_cpu_initialization": True})
-    return build_gpt_model(cfg, tc, acc.capabilities(), True, True, layout.pg_collection)
 
 
 def _batch(vocab: int) -> tuple[torch.Tensor, ...]:
@@ -58,8 +39,8 @@ def _names(plans, converted: bool) -> set[str]:
 
 
 @pytest.mark.parametrize("cfg", [MOE, MLA], ids=["qwen3_moe", "deepseek_v3"])
-def test_fp8_reaches_experts_and_mla_and_trains(cpu, cfg) -> None:
-    model = _build(cpu, cfg).train()
+def test_fp8_reaches_experts_and_mla_and_trains(build_gpt, cfg) -> None:  # noqa: ANN001
+    model = build_gpt(cfg).train()
     keys = sorted(model.state_dict())
     tokens, pos, labels = _batch(cfg.vocab_size)
     with torch.no_grad():

@@ -15,12 +15,10 @@ import dataclasses
 import pytest
 import torch
 
-from loong.core.accelerators import select_accelerator
 from loong.core.config.schema import ParallelConfig
 from loong.core.errors import LoongError
-from loong.core.parallel import world
 from loong.core.state import gather_full_state, load_full_state
-from loong.llm.models.build import build_gpt_model, transformer_config
+from loong.llm.models.build import transformer_config
 from loong.llm.models.config import DenseModelConfig
 
 DENSE = DenseModelConfig(family="qwen3", num_layers=3, hidden_size=48, ffn_hidden_size=80, num_attention_heads=4,
@@ -33,22 +31,6 @@ MLA = dataclasses.replace(DENSE, family="deepseek_v3", num_experts=4, moe_ffn_hi
                           moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
                           moe_aux_loss_coeff=0.0)
 DSA = dataclasses.replace(MLA, family="deepseek_v32", index_n_heads=2, index_head_dim=16, index_topk=8)
-
-
-@pytest.fixture(scope="module")
-def cpu():
-    acc = select_accelerator("cpu")
-    with world(acc) as layout:
-        yield acc, layout
-
-
-def _build(cpu, cfg: DenseModelConfig) -> torch.nn.Module:
-    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
-
-    acc, layout = cpu
-    model_parallel_cuda_manual_seed(0)
-    tc = transformer_config(cfg, ParallelConfig(), torch.float32, {"use_cpu_initialization": True})
-    return build_gpt_model(cfg, tc, acc.capabilities(), True, True, layout.pg_collection).train()
 
 
 def _step(model: torch.nn.Module, vocab: int) -> tuple[float, dict[str, torch.Tensor]]:
@@ -69,9 +51,9 @@ def _count_calls(module: torch.nn.Module) -> list[int]:
     return calls
 
 
-def _plain_vs(cpu, cfg: DenseModelConfig, **recompute) -> None:
-    plain = _build(cpu, cfg)
-    other = _build(cpu, dataclasses.replace(cfg, **recompute))
+def _plain_vs(build_gpt, cfg: DenseModelConfig, **recompute) -> None:  # noqa: ANN001
+    plain = build_gpt(cfg).train()
+    other = build_gpt(dataclasses.replace(cfg, **recompute)).train()
     load_full_state([other], gather_full_state([plain]))
     # recomputation really happens: the recomputed module runs a second time, in backward
     layer = other.decoder.layers[0]
@@ -90,12 +72,12 @@ def _plain_vs(cpu, cfg: DenseModelConfig, **recompute) -> None:
 @pytest.mark.parametrize("recompute", [dict(recompute="full", recompute_num_layers=1),
                                        dict(recompute="full", recompute_num_layers=2),
                                        dict(recompute="selective")], ids=["full1", "full2", "selective"])
-def test_recompute_gives_the_same_step(cpu, cfg, recompute) -> None:
+def test_recompute_gives_the_same_step(build_gpt, cfg, recompute) -> None:
     if cfg is DSA and recompute["recompute"] == "selective":
         with pytest.raises(LoongError, match="use model.recompute=full"):
             transformer_config(dataclasses.replace(cfg, **recompute), ParallelConfig(), torch.float32)
         return
-    _plain_vs(cpu, cfg, **recompute)
+    _plain_vs(build_gpt, cfg, **recompute)
 
 
 def test_recompute_num_layers_must_be_positive() -> None:
