@@ -104,6 +104,36 @@ def test_sparse_mla_beyond_65535_tokens():
         assert _rel(a, b) < 1e-5
 
 
+def test_sparse_mla_head_strides_past_int32():
+    """q and dout in head-major memory ``[h, s, c]`` (what einsum's backward hands the kernel in DSA's absorbed
+    attention): 127 heads x the head stride exceed 2**31 elements. The results must be bit-identical to the same
+    values laid out contiguously; before the offsets were int64 this produced NaN in dq at 64K tokens."""
+    s, heads, d, v_dim, topk = 40_000, 128, 576, 512, 16
+    assert (heads - 1) * s * v_dim > 2**31
+    q_hm = torch.randn(heads, s, d, device="cuda", dtype=torch.bfloat16)
+    do_hm = torch.randn(heads, s, v_dim, device="cuda", dtype=torch.bfloat16)
+    kv = torch.randn(1, s, d, device="cuda", dtype=torch.bfloat16)
+    idx = torch.arange(s, device="cuda")[:, None] - torch.arange(topk, device="cuda")[None, :]
+    idx = torch.where(idx >= 0, idx, -1).int()[None]
+    def head_major(t):  # [h, s, c] memory as [1, s, h, c]
+        return t.permute(1, 0, 2).unsqueeze(0)
+
+    assert head_major(q_hm).stride(2) == s * d and head_major(do_hm).stride(2) == s * v_dim
+    results = []
+    for layout in (head_major, lambda t: head_major(t).contiguous()):
+        q, kv_ = layout(q_hm).requires_grad_(), kv.clone().requires_grad_()
+        out, lse = K.sparse_mla_attention(q, kv_, idx, softmax_scale=0.05, v_dim=v_dim, backend="triton")
+        out.backward(layout(do_hm))
+        results.append((out.detach(), lse, q.grad, kv_.grad))
+        del q, kv_, out, lse
+    for name, a, b in zip(("out", "lse", "dq", "dkv"), *results, strict=True):
+        assert torch.isfinite(a).all(), name
+        if name == "dkv":  # fp32 atomics: the order of the adds may differ between runs
+            assert _rel(a, b) < 1e-5, name
+        else:
+            assert torch.equal(a, b), name
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_indexer_topk(dtype):
     s, heads, dim, topk = 4096, 64, 128, 2048

@@ -59,6 +59,9 @@ def _sparse_mla_fwd(Q, KV, IDX, OUT, LSE,
     hb, tok, bat = tl.program_id(0) % n_hb, (tl.program_id(0) // n_hb).to(tl.int64), tl.program_id(1).to(tl.int64)
     heads = hb * BLOCK_H + tl.arange(0, BLOCK_H)
     hmask = heads < n_heads
+    # int64 before the head stride: a strided dout (einsum's backward gives [h, s, c] memory) has a head stride
+    # of s * c, and 127 * 65536 * 512 overflows int32 (it did at 64K tokens: NaN in dq)
+    h_off = heads.to(tl.int64)[:, None]
     dv = tl.arange(0, BLOCK_V)
     # With the part exactly as wide as its tile the channel mask is a compile-time constant, which lets Triton
     # prove 16-byte alignment and use vector loads and (in the backward) v4 atomics: 3x fewer atomic
@@ -67,7 +70,7 @@ def _sparse_mla_fwd(Q, KV, IDX, OUT, LSE,
         vmask = dv < BLOCK_V
     else:
         vmask = dv < v_dim
-    q_row = Q + bat * sq_b + tok * sq_s + heads[:, None] * sq_h
+    q_row = Q + bat * sq_b + tok * sq_s + h_off * sq_h
     q_v = tl.load(q_row + dv[None, :], mask=hmask[:, None] & vmask[None, :], other=0.0)
     if UPCAST:
         q_v = q_v.to(tl.float32)
@@ -114,7 +117,7 @@ def _sparse_mla_fwd(Q, KV, IDX, OUT, LSE,
         m = m_new
     has = den > 0.0
     out = acc / tl.where(has, den, 1.0)[:, None]
-    o_row = OUT + bat * so_b + tok * so_s + heads[:, None] * so_h
+    o_row = OUT + bat * so_b + tok * so_s + h_off * so_h
     tl.store(o_row + dv[None, :], out.to(OUT.dtype.element_ty), mask=hmask[:, None] & vmask[None, :])
     lse = tl.where(has, (m + tl.log2(tl.where(has, den, 1.0))) / 1.4426950408889634, float("-inf"))
     tl.store(LSE + bat * sl_b + tok * sl_s + heads, lse, mask=hmask)
@@ -134,6 +137,9 @@ def _sparse_mla_bwd(Q, KV, IDX, OUT, DO, LSE, DQ, DKV,
     hb, tok, bat = tl.program_id(0) % n_hb, (tl.program_id(0) // n_hb).to(tl.int64), tl.program_id(1).to(tl.int64)
     heads = hb * BLOCK_H + tl.arange(0, BLOCK_H)
     hmask = heads < n_heads
+    # int64 before the head stride: a strided dout (einsum's backward gives [h, s, c] memory) has a head stride
+    # of s * c, and 127 * 65536 * 512 overflows int32 (it did at 64K tokens: NaN in dq)
+    h_off = heads.to(tl.int64)[:, None]
     dv = tl.arange(0, BLOCK_V)
     # With the part exactly as wide as its tile the channel mask is a compile-time constant, which lets Triton
     # prove 16-byte alignment and use vector loads and (in the backward) v4 atomics: 3x fewer atomic
@@ -143,12 +149,12 @@ def _sparse_mla_bwd(Q, KV, IDX, OUT, DO, LSE, DQ, DKV,
     else:
         vmask = dv < v_dim
     hv_mask = hmask[:, None] & vmask[None, :]
-    q_row = Q + bat * sq_b + tok * sq_s + heads[:, None] * sq_h
+    q_row = Q + bat * sq_b + tok * sq_s + h_off * sq_h
     q_v = tl.load(q_row + dv[None, :], mask=hv_mask, other=0.0)
-    do = tl.load(DO + bat * sdo_b + tok * sdo_s + heads[:, None] * sdo_h + dv[None, :], mask=hv_mask, other=0.0)
+    do = tl.load(DO + bat * sdo_b + tok * sdo_s + h_off * sdo_h + dv[None, :], mask=hv_mask, other=0.0)
     if UPCAST:
         q_v, do = q_v.to(tl.float32), do.to(tl.float32)
-    o = tl.load(OUT + bat * so_b + tok * so_s + heads[:, None] * so_h + dv[None, :], mask=hv_mask, other=0.0)
+    o = tl.load(OUT + bat * so_b + tok * so_s + h_off * so_h + dv[None, :], mask=hv_mask, other=0.0)
     # delta = rowsum(dO * O): computed here rather than by a separate pass, it costs one extra [H, v] read.
     delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), 1)
     lse = tl.load(LSE + bat * sl_b + tok * sl_s + heads, mask=hmask, other=float("-inf"))
@@ -199,7 +205,7 @@ def _sparse_mla_bwd(Q, KV, IDX, OUT, DO, LSE, DQ, DKV,
             dkv_t = tl.dot(tl.trans(ds), q_t, input_precision=PRECISION) * sm_scale
             tl.atomic_add(d_rows[:, None] + v_dim + dt[None, :], dkv_t, mask=valid[:, None] & tmask[None, :],
                           sem="relaxed")
-    dq_row = DQ + bat * sdq_b + tok * sdq_s + heads[:, None] * sdq_h
+    dq_row = DQ + bat * sdq_b + tok * sdq_s + h_off * sdq_h
     tl.store(dq_row + dv[None, :], (dq_v * sm_scale).to(DQ.dtype.element_ty), mask=hv_mask)
     if HAS_TAIL:
         tl.store(dq_row + v_dim + dt[None, :], (dq_t * sm_scale).to(DQ.dtype.element_ty),

@@ -59,11 +59,11 @@ def _indexer_topk_kernel(Q, K, W, OUT, SCRATCH,
     for row in range(pid, n_rows, n_prog):
         bat = (row // seq).to(tl.int64)
         tok = row % seq
-        q = tl.load(Q + bat * sq_b + tok.to(tl.int64) * sq_s + heads[:, None] * sq_h + dims[None, :],
+        q = tl.load(Q + bat * sq_b + tok.to(tl.int64) * sq_s + heads.to(tl.int64)[:, None] * sq_h + dims[None, :],
                     mask=hmask[:, None] & dmask[None, :], other=0.0)
         if UPCAST:  # the interpreter multiplies bf16 dot operands as raw uint16 bits
             q = q.to(tl.float32)
-        w = tl.load(W + bat * sw_b + tok.to(tl.int64) * sw_s + heads * sw_h, mask=hmask, other=0.0).to(tl.float32)
+        w = tl.load(W + bat * sw_b + tok.to(tl.int64) * sw_s + heads.to(tl.int64) * sw_h, mask=hmask, other=0.0).to(tl.float32)
         if CAUSAL:
             n_keys = tok + 1
         else:
