@@ -98,7 +98,7 @@ def test_defaults_compose() -> None:
 
 
 def test_overrides_apply() -> None:
-    cfg, plain = _compose("model=qwen3_0_6b", "train.lr=1e-4", "parallel.tp=2", "data.path=/x/c.jsonl")
+    cfg, plain = _compose("model=qwen3_0_6b", "train.lr=1e-4", "train.min_lr=1e-5", "parallel.tp=2", "data.path=/x/c.jsonl")
     assert cfg.model.preset == "qwen3_0_6b"
     assert cfg.model.family == "qwen3"
     assert cfg.model.qk_norm is True
@@ -186,6 +186,16 @@ def test_model_validation_runs_with_the_dotted_path() -> None:
     assert msg == "model: hidden_size is not divisible by num_attention_heads; set head_dim"
     cfg, _ = _compose("model.hidden_size=130", "model.head_dim=32")
     assert cfg.model.kv_channels == 32
+
+
+def test_learning_rates_are_checked_before_megatron_sees_them() -> None:
+    # megatron's scheduler only asserts max_lr >= min_lr; the user gets the keys and a value that works
+    msg = _error("train.lr=1e-4")  # the default min_lr is 3e-4
+    assert msg.startswith("train.min_lr=0.0003 is above train.lr=0.0001")
+    assert "train.min_lr=1e-05" in msg
+    assert "must be >= 0" in _error("train.lr=-1")
+    cfg, _ = _compose("train.lr=1e-4", "train.min_lr=1e-5")
+    assert cfg.train.min_lr == 1e-5
 
 
 def test_malformed_override_is_a_loong_error() -> None:

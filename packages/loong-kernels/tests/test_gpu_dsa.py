@@ -128,8 +128,8 @@ def test_sparse_mla_head_strides_past_int32():
         del q, kv_, out, lse
     for name, a, b in zip(("out", "lse", "dq", "dkv"), *results, strict=True):
         assert torch.isfinite(a).all(), name
-        if name == "dkv":  # fp32 atomics: the order of the adds may differ between runs
-            assert _rel(a, b) < 1e-5, name
+        if name == "dkv":  # fp32 atomics in any order, then rounded to bf16: last-bit differences
+            assert _rel(a, b) < 1e-3, name
         else:
             assert torch.equal(a, b), name
 

@@ -17,6 +17,7 @@ from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 from loong.core.accelerators.cpu import CPUAccelerator
 from loong.core.config import compose_config
 from loong.core.engines.megatron import MegatronEngine
+from loong.core.errors import LoongError
 from loong.core.parallel import init_distributed, shutdown_distributed
 from loong.llm.pretrain import PretrainTask
 from loong.llm.schema import LLMRunConfig
@@ -32,8 +33,9 @@ class PrefersFused(CPUAccelerator):
         return "fused"
 
 
-def _run(acc: CPUAccelerator, impl: str, steps: int, save: Path | None = None, load: Path | None = None):
-    cfg, _ = compose_config("loong.llm.configs", "pretrain", [*SETTINGS, f"train.optimizer_impl={impl}"],
+def _run(acc: CPUAccelerator, impl: str, steps: int, save: Path | None = None, load: Path | None = None,
+         extra: tuple[str, ...] = (), grad_dtypes: set | None = None):
+    cfg, _ = compose_config("loong.llm.configs", "pretrain", [*SETTINGS, f"train.optimizer_impl={impl}", *extra],
                             LLMRunConfig)
     with acc.activate():
         layout = init_distributed(acc, cfg.parallel)
@@ -43,6 +45,8 @@ def _run(acc: CPUAccelerator, impl: str, steps: int, save: Path | None = None, l
             task = PretrainTask(cfg, acc, layout)
             task.setup_data()
             engine = MegatronEngine(task, cfg, acc, layout)
+            if grad_dtypes is not None:
+                grad_dtypes.update(buf.grad_dtype for chunk in engine.model_chunks for buf in chunk.buffers)
             if load is not None:
                 engine.load(load)
             losses = [engine.train_step(step).loss for step in range(steps)]
@@ -77,6 +81,22 @@ def test_auto_follows_the_accelerator() -> None:
     assert flags == {(True, False)}
     _, flags, _ = _run(PrefersFused(), "foreach", 1)
     assert flags == {(None, None)}
+
+
+def test_grad_reduce_in_bf16_halves_the_grad_buffer_and_trains_alike() -> None:
+    bf16 = ("train.precision=bf16",)
+    dtypes: set = set()
+    reduced, _, _ = _run(CPUAccelerator(), "foreach", 4, extra=(*bf16, "train.grad_reduce_in_bf16=true"),
+                         grad_dtypes=dtypes)
+    assert dtypes == {torch.bfloat16}
+    dtypes.clear()
+    fp32, _, _ = _run(CPUAccelerator(), "foreach", 4, extra=bf16, grad_dtypes=dtypes)
+    assert dtypes == {torch.float32}
+    # the first loss precedes any update; then two micro-batches' gradients summed in bf16 instead of fp32
+    assert reduced[0] == fp32[0] and reduced != fp32
+    assert reduced == pytest.approx(fp32, rel=2e-2) and reduced[-1] < reduced[0]
+    with pytest.raises(LoongError, match="grad_reduce_in_bf16=true needs bf16 training"):
+        _run(CPUAccelerator(), "foreach", 1, extra=("train.precision=fp32", "train.grad_reduce_in_bf16=true"))
 
 
 @pytest.mark.gpu

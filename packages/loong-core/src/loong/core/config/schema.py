@@ -85,6 +85,9 @@ class TrainConfig:
     # torch AdamW's implementation (megatron-core's optimizer without Apex/TE): "auto" is the accelerator's
     # choice (the fused kernel on CUDA: no full-size temporaries, one launch per group; foreach elsewhere)
     optimizer_impl: Literal["auto", "foreach", "fused"] = "auto"
+    # Megatron-LM's --grad-reduce-in-bf16: gradients accumulate and all-reduce in bf16 (half the fp32 grad buffer:
+    # 2 bytes per parameter, and half the DP traffic); the optimiser still steps on fp32 copies. bf16 runs only.
+    grad_reduce_in_bf16: bool = False
     log_interval: int = 1
     eval_interval: int = 50
     eval_iters: int = 2
@@ -99,6 +102,14 @@ class TrainConfig:
     progress: bool = True
     time_limit_s: float = 0.0
     profile_steps: list[int] = field(default_factory=list)
+
+    def validate(self, path: str) -> None:
+        if self.lr < 0 or self.min_lr < 0:
+            raise LoongError(f"{path}.lr / {path}.min_lr: learning rates must be >= 0, got lr={self.lr}, "
+                             f"min_lr={self.min_lr}")
+        if self.min_lr > self.lr:
+            raise LoongError(f"{path}.min_lr={self.min_lr} is above {path}.lr={self.lr}: the schedule decays from lr "
+                             f"to min_lr; lower {path}.min_lr (e.g. {path}.min_lr={self.lr / 10:g})")
 
 
 @dataclass

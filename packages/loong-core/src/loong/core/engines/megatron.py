@@ -93,8 +93,11 @@ class MegatronEngine(Engine):
         if self.dtype != torch.float32:
             chunks = [Float16Module(self.config, c) for c in chunks]
         t = cfg.train
+        if t.grad_reduce_in_bf16 and self.dtype != torch.bfloat16:
+            raise LoongError(f"train.grad_reduce_in_bf16=true needs bf16 training, but this run trains in {self.dtype} "
+                             "(train.precision); set train.precision=bf16 or drop the option")
         ddp_config = DistributedDataParallelConfig(
-            grad_reduce_in_fp32=True,
+            grad_reduce_in_fp32=not t.grad_reduce_in_bf16,
             overlap_grad_reduce=False,
             use_distributed_optimizer=t.distributed_optimizer,
             check_for_nan_in_grad=False,
