@@ -15,6 +15,9 @@ torchrun). One-GPU runs that do not depend on each other run side by side on dif
   ``deepseek_v3_2_4l``; random HF weights from each preset's own config.json translation) on one GPU and at
   EP=2 (DP=2 for the dense parts): the loss of every step against the one-GPU run, tokens/s per GPU, memory.
 
+- **Context parallelism** (``--groups cp``): the ~1B at ``--cp-seq`` (32K) tokens per sequence on one GPU and at
+  CP=2, ``model.recompute=full``: the loss of every step against the one GPU, tokens/s per GPU, memory.
+
 ``--groups`` picks what runs (default: ``dense moe``); ``pp`` is the one-GPU ~1B run and PP=2 × VPP=2 alone
 (a re-check of the interleaved pipeline without the rest of ``dense``).
 
@@ -144,7 +147,9 @@ def main() -> None:
     p.add_argument("--warmup-skip", type=int, default=5, help="steps left out of the throughput")
     p.add_argument("--work", default="/tmp/loong-multi-gpu")
     p.add_argument("--out", default=None)
-    p.add_argument("--groups", nargs="+", choices=["dense", "pp", "moe"], default=["dense", "moe"])
+    p.add_argument("--groups", nargs="+", choices=["dense", "pp", "moe", "cp"], default=["dense", "moe"])
+    p.add_argument("--cp-seq", type=int, default=32768, help="tokens per sequence of the cp group")
+    p.add_argument("--cp-gbs", type=int, default=4, help="global batch (sequences) of the cp group")
     p.add_argument("--moe-presets", nargs="+", choices=MOE_PRESETS, default=list(MOE_PRESETS))
     args = p.parse_args()
 
@@ -161,6 +166,8 @@ def main() -> None:
         summary.update(pp_runs(args, work, runs, r))
     if "moe" in args.groups:
         summary.update(moe_runs(args, work, runs, r))
+    if "cp" in args.groups:
+        summary.update(cp_runs(args, work, runs, r))
 
     print(f"\n{'run':28s} {'GPUs':>4s} {'tok/s/GPU':>10s} {'MFU':>7s} {'peak GiB':>9s} {'max |Δloss| vs 1 GPU':>21s}")
     for name, run in r.items():
@@ -206,6 +213,19 @@ def pp_runs(args: argparse.Namespace, work: Path, runs: Path, r: dict[str, dict]
     r["1b-pp2-vpp2"] = {**train("1b-pp2-vpp2", hf1, runs, args, 2, "0,1", "parallel.pp=2", "parallel.vpp=2"),
                         "ref": "1b-1gpu"}
     return {"loss_gap_vs_1gpu": {"1b-pp2-vpp2": loss_gap(r["1b-pp2-vpp2"], r["1b-1gpu"])}}
+
+
+def cp_runs(args: argparse.Namespace, work: Path, runs: Path, r: dict[str, dict]) -> dict:
+    """The ~1B at ``--cp-seq`` tokens per sequence on one GPU and at CP=2 (the same global batch of whole
+    sequences; full recompute so one GPU holds it); returns the loss gap."""
+    hf1 = make_hf("1b", None, work / "hf-1b")
+    long = argparse.Namespace(**{**vars(args), "seq": args.cp_seq, "mbs": 1, "gbs": args.cp_gbs})
+    recompute = ("model.recompute=full",)
+    r["1b-long-1gpu"] = {**train("1b-long-1gpu", hf1, runs, long, 1, "0", *recompute), "ref": "1b-long-1gpu"}
+    r["1b-long-cp2"] = {**train("1b-long-cp2", hf1, runs, long, 2, "0,1", "parallel.cp=2", *recompute),
+                        "ref": "1b-long-1gpu"}
+    return {"loss_gap_cp2_vs_1gpu": loss_gap(r["1b-long-cp2"], r["1b-long-1gpu"]),
+            "loss_gap_cp2_vs_1gpu_last10_mean": tail_gap(r["1b-long-cp2"], r["1b-long-1gpu"])}
 
 
 def dense_runs(args: argparse.Namespace, work: Path, runs: Path, r: dict[str, dict]) -> dict:

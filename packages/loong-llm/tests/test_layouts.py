@@ -1,4 +1,4 @@
-"""TP=2 and PP=2 reproduce TP=1 (loss, every gradient, 20 steps), and TP=2 checkpoints resume at TP=1.
+"""TP=2, PP=2 and CP=2 reproduce TP=1 (loss, every gradient, 20 steps), and TP=2 checkpoints resume at TP=1.
 
 One 2-process gloo launch runs every layout (see workers/layouts.py); start-up dominates its cost.
 """
@@ -25,7 +25,7 @@ def _rel(a: float, b: float) -> float:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", ["tp2", "pp2", "pp2vpp2"])
+@pytest.mark.parametrize("layout", ["tp2", "pp2", "pp2vpp2", "cp2"])
 def test_first_step_loss_and_gradients_match_tp1(layouts: dict, layout: str) -> None:
     assert _rel(layouts["loss"][layout], layouts["loss"]["tp1"]) <= 1e-5
     assert layouts["grad_keys_equal"][layout]
@@ -33,7 +33,7 @@ def test_first_step_loss_and_gradients_match_tp1(layouts: dict, layout: str) -> 
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", ["tp2", "pp2", "pp2vpp2"])
+@pytest.mark.parametrize("layout", ["tp2", "pp2", "pp2vpp2", "cp2"])
 def test_twenty_steps_track_tp1(layouts: dict, layout: str) -> None:
     ref, got = layouts["train"]["tp1"], layouts["train"][layout]
     assert len(ref) == len(got) == 20

@@ -1,7 +1,7 @@
 """Multi-rank layout checks, run as ``torchrun --nproc-per-node 2 layouts.py HF_DIR OUT_JSON``.
 
-In one 2-process gloo launch (process start-up dominates CI time): for TP=1 (DP=2), TP=2, PP=2 and
-PP=2 with two virtual stages each (interleaved 1F1B),
+In one 2-process gloo launch (process start-up dominates CI time): for TP=1 (DP=2), TP=2, PP=2,
+PP=2 with two virtual stages each (interleaved 1F1B) and CP=2 (zigzag chunks, all-gather attention),
 the same HF-initialised weights give the loss and full gradients of one step, and 20 training steps;
 TP=2 saves a checkpoint at step 10, which TP=1 and PP=2 then resume. Rank 0 writes everything as JSON; the
 pytest side compares.
@@ -87,12 +87,12 @@ def main() -> None:
     hf_dir, out = sys.argv[1], Path(sys.argv[2])
     acc = select_accelerator("cpu")
     layouts = {"tp1": ["parallel.tp=1"], "tp2": ["parallel.tp=2"], "pp2": ["parallel.pp=2"],
-               "pp2vpp2": ["parallel.pp=2", "parallel.vpp=2"]}
+               "pp2vpp2": ["parallel.pp=2", "parallel.vpp=2"], "cp2": ["parallel.cp=2"]}
     result: dict = {"loss": {}, "grad_err": {}, "train": {}}
     with acc.activate():
         ref = one_step_grads(hf_dir, layouts["tp1"], acc)
         result["loss"]["tp1"] = ref["loss"]
-        for name in ("tp2", "pp2", "pp2vpp2"):
+        for name in ("tp2", "pp2", "pp2vpp2", "cp2"):
             got = one_step_grads(hf_dir, layouts[name], acc)
             result["loss"][name] = got["loss"]
             result["grad_err"][name] = max(
@@ -104,7 +104,7 @@ def main() -> None:
         holder = [str(root)]
         dist.broadcast_object_list(holder, src=0)
         root = Path(holder[0])
-        for name in ("tp1", "pp2", "pp2vpp2"):
+        for name in ("tp1", "pp2", "pp2vpp2", "cp2"):
             result["train"][name] = train(hf_dir, layouts[name], root / name, acc)
         result["train"]["tp2"] = train(hf_dir, layouts["tp2"], root / "tp2", acc, save_at=10)
         ckpt = root / "tp2" / "checkpoints" / "step_00000010"

@@ -38,6 +38,10 @@ class ParallelLayout:
         return self.config.pp
 
     @property
+    def cp(self) -> int:
+        return self.config.cp
+
+    @property
     def dp_rank(self) -> int:
         return dist.get_rank(self.pg_collection.dp)
 

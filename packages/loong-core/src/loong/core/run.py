@@ -98,8 +98,9 @@ def train(config_module: str, config_name: str, overrides: list[str], schema: ty
                     for note in trainer.restore_notes:
                         echo(note)
             if layout.is_logging_rank:
+                extra = "".join(f" {k}={v}" for k, v in (("cp", layout.cp), ("ep", layout.config.ep)) if v > 1)
                 echo(f"run directory: {run_dir}  ({accelerator.name}, world {layout.world_size}: "
-                     f"tp={layout.tp} pp={layout.pp} dp={layout.dp})")
+                     f"tp={layout.tp} pp={layout.pp}{extra} dp={layout.dp})")
             return trainer.fit(start)
         finally:
             shutdown_distributed()

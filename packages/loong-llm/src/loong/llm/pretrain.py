@@ -38,6 +38,8 @@ class PretrainTask(Task):
             cfg.model = hf.model_config_from_hf(cfg.model.init_from_hf, keep=cfg.model)
         p, m = cfg.parallel, cfg.model
         check_model_layout(m, p.tp, p.pp * (p.vpp or 1), cfg.train.seq_length, ep=p.ep, etp=p.etp)
+        if p.cp > 1:
+            cls._check_context_parallel(cfg)
         if m.vocab_size % p.tp:
             raise LoongError(f"parallel.tp={p.tp} does not divide model.vocab_size={m.vocab_size}")
         if uses_indexed_data(cfg.data):  # preprocessed shards: the blend and its files
@@ -51,14 +53,21 @@ class PretrainTask(Task):
                              "linear layers are not wrapped); set model.lora.rank=0")
         check_lora_config(m.lora, sequence_parallel=(p.sequence_parallel or m.is_moe) and p.tp > 1)
 
+    @staticmethod
+    def _check_context_parallel(cfg: Any) -> None:
+        p, m, seq = cfg.parallel, cfg.model, cfg.train.seq_length
+        if seq % (2 * p.cp):
+            raise LoongError(f"parallel.cp={p.cp}: train.seq_length={seq} must divide by 2 * cp = {2 * p.cp} "
+                             "(each CP rank holds two of 2 * cp equal chunks)")
+        unsupported = [why for why, on in (("multi-latent attention (DeepSeek)", m.is_mla),
+                                           ("multi-token prediction (model.mtp_num_layers)", m.mtp_num_layers > 0))
+                       if on]
+        if unsupported:
+            raise LoongError(f"parallel.cp={p.cp}: context parallelism is not implemented for "
+                             f"{' or '.join(unsupported)}; set parallel.cp=1")
+
     # --- model -----------------------------------------------------------------------------
     def model_config(self, dtype: torch.dtype) -> Any:
-        p = self.cfg.parallel
-        if p.cp > 1 and "transformer_engine" not in self.accelerator.capabilities():
-            raise LoongError(
-                f"parallel.cp={p.cp} (context parallelism) needs Transformer Engine's attention; "
-                "install loong-core[te] or set parallel.cp=1"
-            )
         overrides = self.accelerator.megatron_config_overrides()
         return transformer_config(self.cfg.model, self.cfg.parallel, dtype, overrides)
 
@@ -160,6 +169,11 @@ class PretrainTask(Task):
         mbs = self.cfg.train.micro_batch_size
         for _ in range(nmb):
             batch = make_microbatch([data[next(indices)] for _ in range(mbs)])
+            if self.layout.cp > 1:  # this CP rank's two zigzag chunks of every sequence
+                from loong.core.context_parallel import split_for_cp_rank
+
+                cp = self.layout.pg_collection.cp
+                batch = {k: split_for_cp_rank(v, 1, cp.size(), cp.rank()) for k, v in batch.items()}
             yield {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
 
     def _rank_offset(self, nmb: int) -> int:
@@ -181,12 +195,20 @@ class PretrainTask(Task):
         return self._batches((g % n for g in range(start, start + 10**12)), data, num_microbatches)
 
     # --- loss ------------------------------------------------------------------------------
-    @staticmethod
-    def _loss(loss_mask: torch.Tensor, output: torch.Tensor) -> tuple[torch.Tensor, dict]:
+    def _loss(self, loss_mask: torch.Tensor, output: torch.Tensor) -> tuple[torch.Tensor, dict]:
         losses = output.float()
-        loss = (losses * loss_mask).sum() / loss_mask.sum().clamp(min=1)
+        count = loss_mask.sum()
+        if self.layout.cp > 1:
+            # each CP rank holds part of every sequence: divide by the whole sequences' token count. megatron's
+            # schedule multiplies the loss by cp (its DDP averages gradients over dp x cp), and the engine
+            # averages the logged loss over dp x cp, so the logged value is scaled alike here.
+            import torch.distributed as dist
+
+            count = count.detach().clone()
+            dist.all_reduce(count, group=self.layout.pg_collection.cp)
+        loss = (losses * loss_mask).sum() / count.clamp(min=1)
         # clone: the schedule divides the returned loss in place by the micro-batch count
-        return loss, {"loss": loss.detach().clone()}
+        return loss, {"loss": loss.detach().clone() * self.layout.cp}
 
     def forward_step(self, data_iterator: Iterator[dict], model: torch.nn.Module) -> tuple[Any, Any]:
         batch = next(data_iterator)

@@ -152,6 +152,8 @@ class CudaCallsOnCPU(TorchFunctionMode):
         kwargs = kwargs or {}
         if "device" in kwargs:
             kwargs = dict(kwargs, device=_cpu_device(kwargs["device"]))
+        if kwargs.get("pin_memory"):  # needs a CUDA driver; e.g. the rotary embedding's CP slice pins its index
+            kwargs = dict(kwargs, pin_memory=False)
         if func is torch.Tensor.cuda:
             return args[0]
         if func is torch.Tensor.to and len(args) > 1 and isinstance(args[1], (str, torch.device, int)):

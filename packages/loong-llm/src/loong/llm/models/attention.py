@@ -4,7 +4,8 @@
   [b, heads, s, s] score matrix; this computes the same causal attention through
   ``torch.nn.functional.scaled_dot_product_attention`` (flash / memory-efficient kernels on GPU, a fused
   kernel on CPU) with the same constructor and forward signature, so it drops into
-  ``SelfAttentionSubmodules.core_attention``.
+  ``SelfAttentionSubmodules.core_attention``. Under context parallelism it runs
+  :func:`loong.core.context_parallel.causal_attention_cp` (all-gathered keys and values).
 - :class:`FusedRoPESelfAttention`: megatron-core's ``SelfAttention`` with the rotary embedding applied to
   q and k by loong-kernels' ``apply_rope`` (one kernel for each, reading q/k straight from the split QKV
   projection) instead of megatron's unfused ``t * cos + rotate_half(t) * sin``.
@@ -43,8 +44,9 @@ class SDPAttention(MegatronModule):
         v_channels: int | None = None,
     ) -> None:
         super().__init__(config=config)
-        if config.context_parallel_size > 1:
-            raise ValueError("SDPAttention does not implement context parallelism; install Transformer Engine")
+        self.cp_group = getattr(pg_collection, "cp", None) if config.context_parallel_size > 1 else None
+        if config.context_parallel_size > 1 and self.cp_group is None:
+            raise ValueError("SDPAttention with context parallelism needs megatron's pg_collection (its cp group)")
         self.attn_mask_type = attn_mask_type
         self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
         # multi-latent attention passes its own q/k width (nope + rope) and a narrower value width;
@@ -64,6 +66,14 @@ class SDPAttention(MegatronModule):
         if packed_seq_params is not None:
             raise ValueError("SDPAttention does not support packed sequences")
         mask_type = attn_mask_type or self.attn_mask_type
+        if self.cp_group is not None:
+            if attention_mask is not None or mask_type != AttnMaskType.causal:
+                raise ValueError("context parallelism supports causal attention without an explicit mask only")
+            from loong.core.context_parallel import causal_attention_cp
+
+            out = causal_attention_cp(query, key, value, self.cp_group, scale=self.softmax_scale,
+                                      dropout_p=self.dropout_p if self.training else 0.0)
+            return out.reshape(out.shape[0], out.shape[1], -1)
         # [s, b, h, d] -> [b, h, s, d]
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
         causal = mask_type == AttnMaskType.causal and attention_mask is None

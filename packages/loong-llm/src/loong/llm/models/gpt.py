@@ -26,7 +26,6 @@ from typing import Any
 
 import torch
 from megatron.core.inference.utils import InferenceMode
-from megatron.core.models.common.embeddings.rope_utils import get_pos_emb_on_this_cp_rank
 from megatron.core.models.gpt import GPTModel
 from megatron.core.tensor_parallel import ColumnParallelLinear
 
@@ -89,10 +88,9 @@ class LoongGPTModel(GPTModel):
             or self.position_embedding_type != "rope"
         ):
             return out
+        # under context parallelism position_ids are already this rank's zigzag chunks (split with the tokens, as
+        # megatron's get_batch_on_this_cp_rank does), so their table needs no CP slicing
         emb = rotary_freqs_from_positions(self.rotary_pos_emb, position_ids)
-        cp_group = self.rotary_pos_emb.cp_group
-        if cp_group is not None and cp_group.size() > 1:
-            emb = get_pos_emb_on_this_cp_rank(emb, 0, cp_group)  # as RotaryEmbedding.forward
         if emb.shape[0] != rotary.shape[0]:
             raise ValueError(
                 f"position_ids give {emb.shape[0]} rotary positions but the model expects {rotary.shape[0]}"
