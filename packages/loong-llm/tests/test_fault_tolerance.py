@@ -206,14 +206,14 @@ def test_checkpoint_records_everything_a_continuation_needs(reference) -> None: 
 
 
 # --- NaN / Inf policy ---------------------------------------------------------------------------
-def _nan_run(tmp_path: Path, policy: str, fault: str = "nan:3") -> tuple[int, str, Path]:
+def _nan_run(tmp_path: Path, policy: str, fault: str = "nan:3", *extra: str) -> tuple[int, str, Path]:
     sys.path.insert(0, str(WORKERS))
     import fault_run  # registers the test-only task "test.faulty"
 
     fault_run.FAULT = fault
     try:
         run = tmp_path / policy
-        rc, log = _train_in_process(run, "task=test.faulty", f"train.on_nonfinite={policy}")
+        rc, log = _train_in_process(run, "task=test.faulty", f"train.on_nonfinite={policy}", *extra)
     finally:
         fault_run.FAULT = "none"
     return rc, log, run
@@ -237,6 +237,17 @@ def test_nonfinite_gradient_names_its_parameters(tmp_path: Path) -> None:
     assert rc != 0
     assert ("step 2 (global batch 1): the loss term 'loss' is finite" in log
             and "gradients are non-finite in 1 parameter (decoder.final_layernorm.weight)" in log), log[-2000:]
+
+
+def test_nonfinite_probe_names_where_the_backward_made_it(tmp_path: Path) -> None:
+    """The parameters only say how far the NaN spread; train.nonfinite_probe=true names the first non-finite
+    activation gradient of the backward: here at the final norm's output, where the injected fault sits."""
+    rc, log, _ = _nan_run(tmp_path, "stop", "nanact:2", "train.nonfinite_probe=true")
+    assert rc != 0
+    assert "first non-finite: the gradient of output 0 of decoder.final_layernorm" in log, log[-2000:]
+    assert "the last finite output gradient before it: none" not in log, log[-2000:]
+    rc, log, _ = _nan_run(tmp_path / "off", "stop", "nanact:2")
+    assert rc != 0 and "train.nonfinite_probe=true names where the backward first produced it" in log, log[-2000:]
 
 
 def test_nonfinite_skip(tmp_path: Path) -> None:

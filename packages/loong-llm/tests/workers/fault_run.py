@@ -11,7 +11,9 @@ PretrainTask registered here; nothing in the package is patched):
 - ``raise:N``    an exception in step N's forward on the first attempt only (torchrun's
                  ``TORCHELASTIC_RESTART_COUNT`` is 0): an elastic restart then succeeds;
 - ``nan:N``      the loss of step N's batch is NaN every time that batch is trained on;
-- ``nangrad:N``  step N's loss stays finite but the final norm's weight gets a NaN gradient.
+- ``nangrad:N``  step N's loss stays finite but the final norm's weight gets a NaN gradient;
+- ``nanact:N``   step N's loss stays finite but the backward turns the gradient at the final norm's output NaN
+                 (as a faulty kernel between modules would).
 """
 
 from __future__ import annotations
@@ -71,7 +73,15 @@ class FaultyTask(PretrainTask):
                 os.kill(os.getpid(), signal.SIGKILL)
             if kind == "raise" and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0" and _rank0():
                 raise RuntimeError("injected worker failure")
-        output, loss_func = super().forward_step(data_iterator, model)
+        hook = None
+        if kind == "nanact" and model.training and self._batch == n - 1:
+            norm = unwrap(model).decoder.final_layernorm
+            hook = norm.register_forward_hook(lambda _m, _a, out: _NaNGradient.apply(out))
+        try:
+            output, loss_func = super().forward_step(data_iterator, model)
+        finally:
+            if hook is not None:
+                hook.remove()
         if kind == "nan" and model.training and self._batch == n - 1:
             output = output * torch.tensor(float("nan"))
         if kind == "nangrad" and model.training and self._batch == n - 1:

@@ -97,6 +97,8 @@ class TrainConfig:
     async_save: bool = False
     checkpoint_checksums: bool = True
     on_nonfinite: Literal["stop", "skip", "rollback"] = "stop"
+    # hooks on every module's gradients that name where a backward first produces NaN/Inf (slow: for debugging)
+    nonfinite_probe: bool = False
     resume: str = "auto"
     save_hf: bool = False
     progress: bool = True

@@ -20,6 +20,7 @@ class StepMetrics:
     nonfinite: bool = False  # the loss or a gradient was NaN/Inf; the update was not applied
     extra: dict[str, float] = field(default_factory=dict)
     nonfinite_params: list[str] = field(default_factory=list)  # parameters with NaN/Inf gradients (all ranks)
+    nonfinite_origin: str | None = None  # where the backward first produced NaN/Inf (train.nonfinite_probe)
 
 
 class Engine(ABC):

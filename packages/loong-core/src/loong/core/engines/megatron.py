@@ -133,6 +133,11 @@ class MegatronEngine(Engine):
         c.grad_scale_func = self.optimizer.scale_loss
         c.finalize_model_grads_func = self._finalize_grads
         self._measure = False  # asked of the task every step
+        self.probe = None
+        if t.nonfinite_probe:
+            from loong.core.debug import GradientProbe
+
+            self.probe = GradientProbe([unwrap(c) for c in self.model_chunks])
         self._compute_end = 0.0
         self._forward_backward = get_forward_backward_func()
 
@@ -198,6 +203,15 @@ class MegatronEngine(Engine):
         dist.all_gather_object(gathered, local)
         return sorted({name for names in gathered for name in names or []})
 
+    def _nonfinite_origin(self) -> str:
+        """The gradient probe's finding, from the lowest rank that has one (a collective)."""
+        gathered: list[str | None] = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, self.probe.report())
+        found = [(rank, r) for rank, r in enumerate(gathered) if r]
+        if not found:
+            return "the gradient probe saw only finite activation gradients: it arose in a parameter's own gradient"
+        return f"{found[0][1]} (rank {found[0][0]})"
+
     def train_step(self, step: int) -> StepMetrics:
         for m in self.model_chunks:
             m.train()
@@ -206,17 +220,20 @@ class MegatronEngine(Engine):
         nmb = self.task.num_train_microbatches(step, self.num_microbatches)
         self._measure = self.task.measures_compute_time()
         started = time.perf_counter()
+        if self.probe is not None:
+            self.probe.reset()
         loss = self._run(self._iterators(lambda: self.task.train_microbatches(step, nmb)),
                          forward_only=False, num_microbatches=nmb)
         extra = {"compute_s": self._compute_end - started} if self._measure else {}
         loss_bad, grads_bad = self._nonfinite(loss)
         if loss_bad or grads_bad:
             names = self._nonfinite_params() if grads_bad else []
+            origin = self._nonfinite_origin() if grads_bad and self.probe is not None else None
             for m in self.model_chunks:
                 m.zero_grad_buffer()
             extra.update(loss_finite=float(not loss_bad), grads_nonfinite=float(grads_bad))
             return StepMetrics(loss=loss, lr=float(self.optimizer.param_groups[0]["lr"]), skipped=True,
-                               nonfinite=True, extra=extra, nonfinite_params=names)
+                               nonfinite=True, extra=extra, nonfinite_params=names, nonfinite_origin=origin)
         ok, grad_norm, _ = self.optimizer.step()
         if ok:
             self.scheduler.step(increment=1)

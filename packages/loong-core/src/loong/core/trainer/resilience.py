@@ -46,6 +46,10 @@ def nonfinite_diagnostic(step: int, batch: int, metrics: StepMetrics) -> str:
     if names and loss_ok:
         shown = ", ".join(names[:6]) + (f" and {len(names) - 6} more" if len(names) > 6 else "")
         line += f" in {len(names)} parameter{'s' if len(names) > 1 else ''} ({shown})"
+    if metrics.nonfinite_origin:
+        line += f"; {metrics.nonfinite_origin}"
+    elif metrics.extra.get("grads_nonfinite") and loss_ok:
+        line += "; train.nonfinite_probe=true names where the backward first produced it"
     return line
 
 
