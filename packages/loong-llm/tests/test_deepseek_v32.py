@@ -281,6 +281,31 @@ def test_triton_dsa_kernels_in_the_model_match_the_references(cpu, hf_sparse, st
         assert _rel(g, ref_grads[name]) <= 1e-4, name
 
 
+@pytest.mark.parametrize(("stage", "chunks", "recompute"), [("sparse", 2, "none"), ("sparse", 4, "full"),
+                                                            ("dense_warmup", 2, "full")])
+def test_head_chunked_attention_core_is_the_same_step(cpu, hf_sparse, stage, chunks, recompute):
+    """model.dsa_head_chunks: the attention core per head group, recomputed in the backward (also inside megatron's
+    full-layer recompute): the same LM loss, indexer loss (its target sums the groups' attention mass) and every
+    gradient as one group."""
+    _, folder = hf_sparse
+    tokens, pos = _inputs(256)
+    ref = _train_step(_loaded(cpu, folder, dsa_stage=stage)[0], tokens, pos)
+    model, _ = _loaded(cpu, folder, dsa_stage=stage, dsa_head_chunks=chunks, recompute=recompute)
+    assert {m.head_chunks for m in model.modules() if isinstance(m, DSAMLASelfAttention)} == {chunks}
+    loss, idx, grads = _train_step(model, tokens, pos)
+    # the KL is a small difference of sums: the groups' mass adds in another order (fp32)
+    assert abs(loss - ref[0]) / ref[0] <= 1e-6 and abs(idx - ref[1]) / ref[1] <= 2e-5
+    assert grads.keys() == ref[2].keys() and len(grads) > 10
+    for name, g in grads.items():
+        assert _rel(g, ref[2][name]) <= 1e-5, name
+
+
+def test_head_chunks_must_divide_the_heads():
+    with pytest.raises(LoongError, match=r"model\.dsa_head_chunks=3: must be >= 1 and divide num_attention_heads=128"):
+        compose_config("loong.llm.configs", "pretrain", ["model=deepseek_v3_2_4l", "model.dsa_head_chunks=3"],
+                       LLMRunConfig)
+
+
 def test_dense_warmup_task_freezes_all_but_the_indexer():
     from loong.llm.models.deepseek_v32.indexer import freeze_all_but_indexer
 

@@ -77,6 +77,9 @@ class DenseModelConfig:
     (full causal attention; the training task freezes everything but the indexers, which learn from a KL to the
     attention distribution) or ``sparse`` (attention over the selected keys, the indexer's KL over them too, on
     detached inputs); ``indexer_loss_coeff`` weighs the indexer loss (logged unweighted as ``indexer_loss``).
+    ``dsa_head_chunks`` > 1 runs the absorbed attention core in that many head groups, each recomputed in the
+    backward instead of keeping its ``[tokens, heads, 576]`` query and ``[tokens, heads, 512]`` output (18 GB per
+    layer at 64K tokens): the same numbers, one more sparse-attention forward per layer.
     """
 
     family: Literal["llama", "qwen2", "qwen3", "qwen3_moe", "deepseek_v3", "deepseek_v32"] = "llama"
@@ -127,6 +130,7 @@ class DenseModelConfig:
     index_topk: int = 2048
     dsa_stage: Literal["dense_warmup", "sparse"] = "sparse"
     indexer_loss_coeff: float = 1.0
+    dsa_head_chunks: int = 1
     lora: LoraConfig = field(default_factory=LoraConfig)
     extra: dict = field(default_factory=dict)
 
@@ -224,6 +228,9 @@ class DenseModelConfig:
                                  f"{self.index_head_dim} >= qk_rope_head_dim={self.qk_rope_head_dim}")
             if self.dsa_stage not in ("dense_warmup", "sparse"):
                 raise LoongError(f"{path}: dsa_stage={self.dsa_stage!r} is not dense_warmup or sparse")
+            if self.dsa_head_chunks < 1 or self.num_attention_heads % self.dsa_head_chunks:
+                raise LoongError(f"{path}.dsa_head_chunks={self.dsa_head_chunks}: must be >= 1 and divide "
+                                 f"num_attention_heads={self.num_attention_heads}")
 
 
 def training_flops_per_token(model: DenseModelConfig, seq_length: int) -> float:

@@ -30,15 +30,17 @@ import torch
 from megatron.core.models.common.embeddings import apply_rotary_pos_emb
 from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
 from megatron.core.utils import get_pg_size
+from torch.utils.checkpoint import checkpoint
 
 from loong.core.errors import LoongError
 from loong.llm.models.deepseek_v3.spec import LoongMLASelfAttention
 from loong.llm.models.deepseek_v32.indexer import (
     IndexerLossAutoScaler,
     LightningIndexer,
-    attention_target,
+    attention_mass,
     dense_causal_indices,
     indexer_kl,
+    normalise_target,
     record_indexer_loss,
 )
 
@@ -60,6 +62,10 @@ class DSAMLASelfAttention(LoongMLASelfAttention):
         self.dsa_stage = dsa["dsa_stage"]
         self.indexer_loss_coeff = float(dsa["indexer_loss_coeff"])
         self.kernel_backend = dsa.get("backend", "auto")
+        self.head_chunks = int(dsa.get("head_chunks", 1))
+        if self.num_attention_heads_per_partition % self.head_chunks:
+            raise LoongError(f"model.dsa_head_chunks={self.head_chunks} must divide the "
+                             f"{self.num_attention_heads_per_partition} attention heads of each tensor-parallel rank")
         self.indexer = LightningIndexer(config, config.q_lora_rank, int(dsa["index_n_heads"]),
                                         int(dsa["index_head_dim"]), config.qk_pos_emb_head_dim)
 
@@ -121,29 +127,51 @@ class DSAMLASelfAttention(LoongMLASelfAttention):
         if self._sp():
             c_kv = gather_from_sequence_parallel_region(c_kv, group=self.tp_group)  # [s, b, c]
 
-        # absorb W_UK into the query; W_UV is applied to the latent output below
+        # absorb W_UK into the query; W_UV is applied to the latent output (in _core)
         w_up = self.linear_kv_up_proj.weight.view(heads, nope + cfg.v_head_dim, cfg.kv_lora_rank)
         w_uk, w_uv = torch.split(w_up, [nope, cfg.v_head_dim], dim=1)
-        q_lat = torch.einsum("sbhn,hnc->bshc", q_nope, w_uk)
-        query = torch.cat([q_lat, q_pe.transpose(0, 1)], dim=-1).contiguous()  # [b, s, heads, c + rope]
         kv = torch.cat([c_kv, k_pe], dim=-1).transpose(0, 1).contiguous()  # [b, s, c + rope]
 
         idx_q, idx_k, idx_w = self._indexer_inputs(hidden_states, q_latent, emb, mscale)
         indices = self._select(idx_q, idx_k, idx_w, b, s)
-        from loong.kernels.dsa import sparse_mla_attention
-
-        out_lat, lse = sparse_mla_attention(query, kv, indices, softmax_scale=self.softmax_scale,
-                                            v_dim=cfg.kv_lora_rank, backend=self.kernel_backend)
-        out = torch.einsum("bshc,hvc->sbhv", out_lat, w_uv).reshape(s, b, heads * cfg.v_head_dim)
+        train_indexer = self.training and torch.is_grad_enabled()
+        outs, mass = [], None
+        group = heads // self.head_chunks
+        for h0 in range(0, heads, group):
+            args = (q_nope[:, :, h0:h0 + group], q_pe[:, :, h0:h0 + group], kv, indices, w_uk[h0:h0 + group],
+                    w_uv[h0:h0 + group])
+            if self.head_chunks > 1 and torch.is_grad_enabled():
+                # keep only the inputs: the head group's query and latent output are recomputed in the backward
+                out_h, lse_h, query_h = checkpoint(self._core, *args, use_reentrant=False)
+            else:
+                out_h, lse_h, query_h = self._core(*args)
+            outs.append(out_h)
+            if train_indexer:
+                part = attention_mass(query_h.detach(), kv.detach(), indices, lse_h, self.softmax_scale)
+                mass = part if mass is None else mass + part
+            del query_h
+        out = (outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)).reshape(s, b, heads * cfg.v_head_dim)
         output, bias = self.linear_proj(out)
 
-        if self.training and torch.is_grad_enabled():
-            target = attention_target(query.detach(), kv.detach(), indices, lse, self.softmax_scale,
-                                      tp_group=self.tp_group)
+        if train_indexer:
+            target = normalise_target(mass, tp_group=self.tp_group)
             loss = indexer_kl(idx_q, idx_k, idx_w, indices, target)
             record_indexer_loss(loss)
             output = IndexerLossAutoScaler.apply(output, loss * self.indexer_loss_coeff)
         return output, bias
+
+    def _core(self, q_nope: torch.Tensor, q_pe: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor,
+              w_uk: torch.Tensor, w_uv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Absorbed attention of a group of heads: ``q_nope [s, b, h, nope]`` and roped ``q_pe [s, b, h, rope]``
+        against the shared ``kv [b, s, c + rope]`` at ``indices`` -> ``(out [s, b, h, v], lse [b, s, h], query [b, s,
+        h, c + rope])``."""
+        from loong.kernels.dsa import sparse_mla_attention
+
+        q_lat = torch.einsum("sbhn,hnc->bshc", q_nope, w_uk)
+        query = torch.cat([q_lat, q_pe.transpose(0, 1)], dim=-1).contiguous()  # [b, s, h, c + rope]
+        out_lat, lse = sparse_mla_attention(query, kv, indices, softmax_scale=self.softmax_scale,
+                                            v_dim=self.config.kv_lora_rank, backend=self.kernel_backend)
+        return torch.einsum("bshc,hvc->sbhv", out_lat, w_uv), lse, query
 
     def _indexer_inputs(self, hidden_states: torch.Tensor, q_latent: torch.Tensor, emb: torch.Tensor,
                         mscale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -172,4 +200,5 @@ def dsa_params(model: Any, backend: str = "auto") -> dict[str, Any]:
     """The layer spec's extra constructor arguments for :class:`DSAMLASelfAttention` from a ``DenseModelConfig``."""
     return {"dsa": {"index_n_heads": model.index_n_heads, "index_head_dim": model.index_head_dim,
                     "index_topk": model.index_topk, "dsa_stage": model.dsa_stage,
-                    "indexer_loss_coeff": model.indexer_loss_coeff, "backend": backend}}
+                    "indexer_loss_coeff": model.indexer_loss_coeff, "backend": backend,
+                    "head_chunks": model.dsa_head_chunks}}

@@ -101,6 +101,22 @@ def attention_target(query: torch.Tensor, kv: torch.Tensor, indices: torch.Tenso
     the attention's log-sum-exp, so ``exp(scale·q·k - lse)`` is each head's exact probability. Under tensor
     parallelism this rank holds ``H / TP`` heads: their sum is all-reduced over ``tp_group``.
     """
+    return normalise_target(attention_mass(query, kv, indices, lse, softmax_scale), tp_group)
+
+
+@torch.no_grad()
+def normalise_target(mass: torch.Tensor, tp_group: Any = None) -> torch.Tensor:
+    """:func:`attention_mass` summed over the tensor-parallel ranks' heads, L1-normalised per query."""
+    if tp_group is not None and dist.is_initialized() and dist.get_world_size(tp_group) > 1:
+        dist.all_reduce(mass, group=tp_group)
+    return mass / mass.sum(dim=-1, keepdim=True).clamp_min(1e-20)
+
+
+@torch.no_grad()
+def attention_mass(query: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, lse: torch.Tensor,
+                   softmax_scale: float) -> torch.Tensor:
+    """``[B, S, K]`` fp32: the attention probabilities of ``query``'s heads at ``indices``, summed over those heads
+    (unnormalised, so head groups add up: :func:`normalise_target` finishes the target)."""
     b, s, h, _ = query.shape
     out = torch.zeros(indices.shape, dtype=torch.float32, device=query.device)
     step = _chunk(b, h, kv.shape[1])
@@ -113,9 +129,7 @@ def attention_target(query: torch.Tensor, kv: torch.Tensor, indices: torch.Tenso
         lse_c = lse[:, t0:t1, :, None]
         probs = torch.exp(sel - lse_c).masked_fill(~valid | ~torch.isfinite(lse_c), 0.0)
         out[:, t0:t1] = probs.sum(dim=2)
-    if tp_group is not None and dist.is_initialized() and dist.get_world_size(tp_group) > 1:
-        dist.all_reduce(out, group=tp_group)
-    return out / out.sum(dim=-1, keepdim=True).clamp_min(1e-20)
+    return out
 
 
 def indexer_scores_at(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
@@ -238,6 +252,7 @@ def freeze_all_but_indexer(model: torch.nn.Module) -> int:
     return trainable
 
 
-__all__ = ["IndexerLossAutoScaler", "LightningIndexer", "attention_target", "clear_indexer_loss_tracker",
+__all__ = ["IndexerLossAutoScaler", "LightningIndexer", "attention_mass", "attention_target",
+           "clear_indexer_loss_tracker", "normalise_target",
            "dense_causal_indices", "freeze_all_but_indexer", "indexer_kl", "indexer_loss_report",
            "indexer_parameters", "indexer_scores_at", "record_indexer_loss", "rotate_half_rope"]
