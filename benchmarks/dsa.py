@@ -98,7 +98,12 @@ class Bench:
 
 
 def bench_attention(b: Bench, s: int) -> None:
-    from loong.kernels.dsa import indexer_topk, sparse_mla_attention, sparse_mla_attention_reference
+    from loong.kernels.dsa import (
+        attention,
+        indexer_topk,
+        sparse_mla_attention,
+        sparse_mla_attention_reference,
+    )
 
     a = b.args
     h, d, v, k = a.heads, a.d_qk, a.v_dim, a.topk
@@ -117,9 +122,11 @@ def bench_attention(b: Bench, s: int) -> None:
     # The issue's count, S * K pairs: the kernel computes every slot (the first K rows' -1 slots masked).
     fwd_flops = 2.0 * s * k * h * (d + v)
     n_valid = int((idx >= 0).sum())
-    for impl, fn in (("loong", lambda *x, **kw: sparse_mla_attention(*x, **kw, backend=b.backend)),
-                     ("eager", sparse_mla_attention_reference)):
-        if impl == "eager" and not a.reference:
+    loong = lambda *x, **kw: sparse_mla_attention(*x, **kw, backend=b.backend)  # noqa: E731
+    impls = [("loong", loong, False), ("loong-split", loong, True), ("eager", sparse_mla_attention_reference, False)]
+    grads: dict[str, tuple] = {}
+    for impl, fn, split in impls:
+        if (impl == "eager" and not a.reference) or (impl == "loong-split" and not a.bwd_split):
             continue
         row = {"op": "sparse_mla_attention", "seqlen": s, "impl": impl, "heads": h, "d_qk": d, "v_dim": v,
                "topk": k, "valid_pairs": n_valid, "dtype": str(a.dtype), "fwd_tflop": fwd_flops / 1e12}
@@ -128,10 +135,25 @@ def bench_attention(b: Bench, s: int) -> None:
             with torch.no_grad():
                 return fn(q, kv, idx, softmax_scale=scale, v_dim=v)
 
-        def fwd_bwd(fn=fn):
-            out, _ = fn(q, kv, idx, softmax_scale=scale, v_dim=v)
-            torch.autograd.backward(out, dout, inputs=[q, kv])
+        def fwd_bwd(fn=fn, split=split):
+            attention.BWD_SPLIT = split  # read by the backward; "loong" is the fused one
+            try:
+                out, _ = fn(q, kv, idx, softmax_scale=scale, v_dim=v)
+                torch.autograd.backward(out, dout, inputs=[q, kv])
+            finally:
+                attention.BWD_SPLIT = False
             q.grad = kv.grad = None
+
+        if impl.startswith("loong"):  # the split backward must give the fused one's gradients
+            attention.BWD_SPLIT = split
+            try:
+                out, _ = fn(q, kv, idx, softmax_scale=scale, v_dim=v)
+                grads[impl] = torch.autograd.grad(out, (q, kv), dout)
+            finally:
+                attention.BWD_SPLIT = False
+            if impl == "loong-split" and "loong" in grads:
+                row["rel_err_vs_fused_bwd"] = [float((x.float() - y.float()).norm() / y.float().norm())
+                                               for x, y in zip(grads[impl], grads["loong"], strict=True)]
 
         b.measure(row, "fwd", fwd)
         b.measure(row, "fwd_bwd", fwd_bwd)
@@ -184,7 +206,7 @@ def summary(b: Bench) -> dict:
     out: dict = {}
     by = {(r["op"], r["seqlen"], r["impl"]): r for r in b.rows}
     for (op, s, impl), r in by.items():
-        if impl != "loong":
+        if not impl.startswith("loong"):
             continue
         entry: dict = {k: round(r[k], 3) for k in ("fwd_ms", "fwd_bwd_ms", "fwd_tflops", "bwd_tflops")
                        if isinstance(r.get(k), float)}
@@ -196,7 +218,7 @@ def summary(b: Bench) -> dict:
                 entry[f"speedup_{key[:-3]}"] = round(eager[key] / r[key], 2)
             elif eager.get(key) == "OOM":
                 entry[f"speedup_{key[:-3]}"] = "eager OOM"
-        out.setdefault(op, {})[str(s)] = entry
+        out.setdefault(op, {})[str(s) if impl == "loong" else f"{s} {impl}"] = entry
     return out
 
 
@@ -216,6 +238,9 @@ def main() -> None:
     p.add_argument("--fwd-config", help="attention forward blocks BLOCK_H,BLOCK_N,num_warps,num_stages")
     p.add_argument("--bwd-config", help="attention backward blocks BLOCK_H,BLOCK_N,num_warps,num_stages")
     p.add_argument("--indexer-config", help="indexer BLOCK_N,num_warps,per_sm")
+    p.add_argument("--bwd-split", action="store_true",
+                   help="also time the split backward (a dq pass, then a dkv pass summing all heads per atomic)")
+    p.add_argument("--dkv-config", help="split backward's dkv pass BLOCK_H,BLOCK_N,num_warps,num_stages")
     p.add_argument("--warmup-ms", type=float, default=100)
     p.add_argument("--rep-ms", type=float, default=500)
     p.add_argument("--dry-run", action="store_true", help="tiny shapes on CPU through Triton's interpreter")
@@ -225,6 +250,7 @@ def main() -> None:
     keys = ("BLOCK_H", "BLOCK_N", "num_warps", "num_stages")
     try:
         fwd_cfg, bwd_cfg = _config(args.fwd_config, keys), _config(args.bwd_config, keys)
+        dkv_cfg = _config(args.dkv_config, keys)
         idx_cfg = _config(args.indexer_config, ("BLOCK_N", "num_warps", "per_sm"))
     except argparse.ArgumentTypeError as e:
         p.error(str(e))
@@ -243,6 +269,8 @@ def main() -> None:
         attention.FWD_CONFIG = fwd_cfg
     if bwd_cfg:
         attention.BWD_CONFIG = bwd_cfg
+    if dkv_cfg:
+        attention.DKV_CONFIG = dkv_cfg
     if idx_cfg:
         indexer.INDEXER_CONFIG = idx_cfg
     b = Bench(args)
@@ -260,6 +288,7 @@ def main() -> None:
                       "args": {k: str(v) if isinstance(v, torch.dtype) else v for k, v in vars(args).items()},
                       "versions": versions(["torch", "triton", "loong-kernels"]), "hardware": hw,
                       "configs": {"attention_fwd": attention.FWD_CONFIG, "attention_bwd": attention.BWD_CONFIG,
+                                  "attention_bwd_split_dkv": attention.DKV_CONFIG,
                                   "indexer": indexer.INDEXER_CONFIG},
                       "flops_counted": "fwd 2*S*K*H*(D_qk+v_dim); bwd 2.5x fwd; fwd+bwd 3.5x fwd; "
                                        "indexer 2*S*(S+1)/2*H_I*D_I",

@@ -136,7 +136,14 @@ def _triton_attention(q, kv, idx, **kw):
     return sparse_mla_attention(q, kv, idx, **kw, backend="triton")
 
 
-def test_attention_fp32_matches_reference(interpret, check):
+@pytest.fixture(params=[False, True], ids=["fused-bwd", "split-bwd"])
+def bwd_split(request, monkeypatch):
+    """Both backwards: the fused one (dq and atomic dkv per head block) and the split dq + dkv passes."""
+    monkeypatch.setattr(attention_mod, "BWD_SPLIT", request.param)
+    return request.param
+
+
+def test_attention_fp32_matches_reference(interpret, check, bwd_split):
     q, kv, idx = _attention_inputs(1, 37, 3, 40, 8)
     got = _attention_run(_triton_attention, q, kv, idx, 0.21, 32)
     ref = _attention_run(sparse_mla_attention_reference, q, kv, idx, 0.21, 32)
@@ -150,12 +157,13 @@ def test_attention_fp32_matches_reference(interpret, check):
         assert check.rel_err(a, b) < 1e-5
 
 
-def test_attention_several_head_and_key_blocks(interpret, check, monkeypatch):
+def test_attention_several_head_and_key_blocks(interpret, check, monkeypatch, bwd_split):
     """20 heads in blocks of 16 and 40 keys in blocks of 16 (the last partial): the online softmax and
     the masked head rows; kv longer than the queries; no tail channels (D_qk == v_dim)."""
     small = {"BLOCK_H": 16, "BLOCK_N": 16, "num_warps": 4, "num_stages": 1}
     monkeypatch.setattr(attention_mod, "FWD_CONFIG", small)
     monkeypatch.setattr(attention_mod, "BWD_CONFIG", small)
+    monkeypatch.setattr(attention_mod, "DKV_CONFIG", small)
     g = _gen(3)
     for d, v_dim in ((24, 24), (48, 16)):
         q = torch.randn(2, 3, 20, d, generator=g).requires_grad_()
@@ -184,7 +192,7 @@ def _eager_low_precision(q, kv, idx, softmax_scale, v_dim):
     return torch.matmul(probs, sel[..., :v_dim]), None
 
 
-def test_attention_bf16_no_worse_than_eager(interpret, check):
+def test_attention_bf16_no_worse_than_eager(interpret, check, bwd_split):
     q, kv, idx = _attention_inputs(1, 17, 3, 40, 8, dtype=torch.bfloat16, seed=4)
     got = _attention_run(_triton_attention, q, kv, idx, 0.21, 32)
     eager = _attention_run(_eager_low_precision, q, kv, idx, 0.21, 32)
