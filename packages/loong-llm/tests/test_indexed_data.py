@@ -172,7 +172,7 @@ def test_pretrain_task_takes_megatron_order_as_is(shards: dict, tok: Tokenizer) 
     train, _ = _build(shards, tok, [0.7, 0.3], n=40)
     task = object.__new__(PretrainTask)
     task.cfg = SimpleNamespace(train=SimpleNamespace(global_batch_size=4, micro_batch_size=2))
-    task.layout = SimpleNamespace(dp_rank=0)
+    task.layout = SimpleNamespace(dp_rank=0, cp=1)
     task.train_data, task.device = train, "cpu"
     batches = list(task.train_microbatches(step=3, num_microbatches=2))
     got = np.concatenate([np.concatenate([b["tokens"], b["labels"][:, -1:]], axis=1) for b in batches])
