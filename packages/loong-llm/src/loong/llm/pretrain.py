@@ -207,8 +207,8 @@ class PretrainTask(Task):
             count = count.detach().clone()
             dist.all_reduce(count, group=self.layout.pg_collection.cp)
         loss = (losses * loss_mask).sum() / count.clamp(min=1)
-        # clone: the schedule divides the returned loss in place by the micro-batch count
-        return loss, {"loss": loss.detach().clone() * self.layout.cp}
+        # a new tensor (the product): the schedule divides the returned loss in place by the micro-batch count
+        return loss, {"loss": loss.detach() * self.layout.cp}
 
     def forward_step(self, data_iterator: Iterator[dict], model: torch.nn.Module) -> tuple[Any, Any]:
         batch = next(data_iterator)

@@ -5,8 +5,9 @@
   D_I]``, ``k [B, S, D_I]`` and head weights ``w [B, S, H_I]``, with RoPE (half-split, *not* interleaved as MLA's) on
   the first ``qk_rope_head_dim`` channels and ``w`` already times ``H_I ** -0.5``: exactly what
   ``loong.kernels.dsa.indexer_topk`` takes, ``I[t, s] = sum_j w[t, j] relu(D_I^-0.5 q[t, j] . k[s])``.
-- :func:`attention_target` is the loss target ``p_t``: the main attention's probabilities over the attended keys,
-  summed over heads (all TP ranks' heads) and L1-normalised, recomputed exactly from the attention's ``lse``.
+- :func:`attention_mass` + :func:`normalise_target` give the loss target ``p_t``: the main attention's probabilities
+  over the attended keys, summed over heads (head groups, then all TP ranks' heads) and L1-normalised, recomputed
+  exactly from the attention's ``lse``.
 - :func:`indexer_kl` is ``mean_t KL(p_t || softmax(I_t))`` over the same keys (all causal keys in the dense warm-up,
   the selected ``S_t`` in the sparse stage).
 - :class:`IndexerLossAutoScaler` adds ``indexer_loss_coeff`` × that loss to the gradient the way megatron's
@@ -92,21 +93,9 @@ def _gather_keys(scores: torch.Tensor, indices: torch.Tensor) -> tuple[torch.Ten
 
 
 @torch.no_grad()
-def attention_target(query: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, lse: torch.Tensor,
-                     softmax_scale: float, tp_group: Any = None) -> torch.Tensor:
-    """The indexer's target ``p [B, S, K]`` (fp32, rows sum to 1): the main attention's probabilities at the attended
-    keys ``indices [B, S, K]``, summed over heads and L1-normalised.
-
-    ``query [B, S, H, D]`` and ``kv [B, S_kv, D]`` are the (absorbed, MQA-form) attention inputs and ``lse [B, S, H]``
-    the attention's log-sum-exp, so ``exp(scale·q·k - lse)`` is each head's exact probability. Under tensor
-    parallelism this rank holds ``H / TP`` heads: their sum is all-reduced over ``tp_group``.
-    """
-    return normalise_target(attention_mass(query, kv, indices, lse, softmax_scale), tp_group)
-
-
-@torch.no_grad()
 def normalise_target(mass: torch.Tensor, tp_group: Any = None) -> torch.Tensor:
-    """:func:`attention_mass` summed over the tensor-parallel ranks' heads, L1-normalised per query."""
+    """The indexer's target ``p [B, S, K]`` (fp32, rows sum to 1): :func:`attention_mass` summed over the
+    tensor-parallel ranks' heads (all-reduced over ``tp_group``), L1-normalised per query."""
     if tp_group is not None and dist.is_initialized() and dist.get_world_size(tp_group) > 1:
         dist.all_reduce(mass, group=tp_group)
     return mass / mass.sum(dim=-1, keepdim=True).clamp_min(1e-20)
@@ -116,7 +105,10 @@ def normalise_target(mass: torch.Tensor, tp_group: Any = None) -> torch.Tensor:
 def attention_mass(query: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, lse: torch.Tensor,
                    softmax_scale: float) -> torch.Tensor:
     """``[B, S, K]`` fp32: the attention probabilities of ``query``'s heads at ``indices``, summed over those heads
-    (unnormalised, so head groups add up: :func:`normalise_target` finishes the target)."""
+    (unnormalised, so head groups add up: :func:`normalise_target` finishes the target).
+
+    ``query [B, S, H, D]`` and ``kv [B, S_kv, D]`` are the (absorbed, MQA-form) attention inputs and ``lse [B, S, H]``
+    the attention's log-sum-exp, so ``exp(scale·q·k - lse)`` is each head's exact probability."""
     b, s, h, _ = query.shape
     out = torch.zeros(indices.shape, dtype=torch.float32, device=query.device)
     step = _chunk(b, h, kv.shape[1])
@@ -252,7 +244,7 @@ def freeze_all_but_indexer(model: torch.nn.Module) -> int:
     return trainable
 
 
-__all__ = ["IndexerLossAutoScaler", "LightningIndexer", "attention_mass", "attention_target",
+__all__ = ["IndexerLossAutoScaler", "LightningIndexer", "attention_mass",
            "clear_indexer_loss_tracker", "normalise_target",
            "dense_causal_indices", "freeze_all_but_indexer", "indexer_kl", "indexer_loss_report",
            "indexer_parameters", "indexer_scores_at", "record_indexer_loss", "rotate_half_rope"]
