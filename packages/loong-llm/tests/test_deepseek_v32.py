@@ -300,6 +300,36 @@ def test_head_chunked_attention_core_is_the_same_step(cpu, hf_sparse, stage, chu
         assert _rel(g, ref[2][name]) <= 1e-5, name
 
 
+@pytest.mark.parametrize("chunk_elements", [1 << 26, 700])  # one chunk, and several queries' chunks
+def test_indexer_target_and_kl_score_gathered_keys_as_every_key(monkeypatch, chunk_elements):
+    """The sparse stage scores only each query's attended keys (their rows gathered); scoring every key and then
+    gathering (the dense warm-up's way) gives the same target, KL and indexer gradients, empty (-1) slots
+    included."""
+    from loong.llm.models.deepseek_v32 import indexer as ix
+
+    assert ix._gathers(2048, 65536) and not ix._gathers(40, 40)  # sparse stage at 64K / dense warm-up
+    monkeypatch.setattr(ix, "_CHUNK_ELEMENTS", chunk_elements)
+    g = torch.Generator().manual_seed(3)
+    b, s, h, d, hi, di, k = 2, 48, 4, 24, 3, 16, 10
+    query, kv = torch.randn(b, s, h, d, generator=g), torch.randn(b, s, d, generator=g)
+    lse = torch.logsumexp(torch.randn(b, s, h, s, generator=g), -1)
+    indices = torch.randint(0, s, (b, s, k), generator=g, dtype=torch.int32)
+    indices[:, :, -2:] = -1
+    q, kk = torch.randn(b, s, hi, di, generator=g), torch.randn(b, s, di, generator=g)
+    w = torch.randn(b, s, hi, generator=g)
+    results = []
+    for gathered in (True, False):
+        monkeypatch.setattr(ix, "_gathers", lambda n_keys, seq_kv, gathered=gathered: gathered)
+        target = ix.normalise_target(ix.attention_mass(query, kv, indices, lse, 0.3))
+        leaves = [t.clone().requires_grad_() for t in (q, kk, w)]
+        loss = ix.indexer_kl(*leaves, indices, target)
+        loss.backward()
+        results.append((target, loss.detach(), *(t.grad for t in leaves)))
+    assert (results[0][0][..., -2:] == 0).all() and results[0][1] > 0
+    for got, want in zip(results[0], results[1], strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
 def test_head_chunks_must_divide_the_heads():
     with pytest.raises(LoongError, match=r"model\.dsa_head_chunks=3: must be >= 1 and divide num_attention_heads=128"):
         compose_config("loong.llm.configs", "pretrain", ["model=deepseek_v3_2_4l", "model.dsa_head_chunks=3"],

@@ -4,6 +4,8 @@ On the CPU (where torch also has a fused AdamW) the engine is built both ways on
 really be fused (every group's flags; each ``step`` an fp32 tensor on the parameter's device), train to the same
 losses, and take a checkpoint written by the other implementation. ``auto`` follows the accelerator (the CUDA
 plugin picks fused). Bit-exact resume with the fused kernel is in test_fault_tolerance (layout ``tp1-fused``).
+``train.optimizer_cpu_offload``: refused with its reason where it cannot run (CPU) or is misconfigured; on CUDA it
+trains like the on-device optimizer with its state in host memory, and resumes from its own checkpoint.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ class PrefersFused(CPUAccelerator):
 
 
 def _run(acc: CPUAccelerator, impl: str, steps: int, save: Path | None = None, load: Path | None = None,
-         extra: tuple[str, ...] = (), grad_dtypes: set | None = None):
+         extra: tuple[str, ...] = (), grad_dtypes: set | None = None, inspect=None):  # noqa: ANN001
     cfg, _ = compose_config("loong.llm.configs", "pretrain", [*SETTINGS, f"train.optimizer_impl={impl}", *extra],
                             LLMRunConfig)
     with acc.activate():
@@ -50,6 +52,8 @@ def _run(acc: CPUAccelerator, impl: str, steps: int, save: Path | None = None, l
             if load is not None:
                 engine.load(load)
             losses = [engine.train_step(step).loss for step in range(steps)]
+            if inspect is not None:
+                inspect(engine)
             if save is not None:
                 save.mkdir(parents=True)
                 engine.save(save)
@@ -115,3 +119,52 @@ def test_cuda_auto_is_fused_and_resumes_across_implementations(tmp_path: Path) -
     resumed, flags, steps = _run(CUDAAccelerator(), "auto", 1, load=tmp_path / "foreach")
     assert flags == {(True, False)} and all(s.is_cuda and float(s) == 4 for s in steps)
     assert resumed[0] < foreach[0]
+
+
+class CanOffload(CPUAccelerator):
+    """A CPU accelerator claiming the offload capability, to reach the checks after it."""
+
+    def capabilities(self) -> set[str]:
+        return {"optimizer_offload"}
+
+
+def test_optimizer_offload_is_refused_with_its_reason() -> None:
+    offload = "train.optimizer_cpu_offload=true"
+    with pytest.raises(LoongError, match=r"optimizer_cpu_offload=true: the cpu accelerator cannot offload"):
+        _run(CPUAccelerator(), "auto", 1, extra=(offload, "train.distributed_optimizer=true"))
+    with pytest.raises(LoongError, match=r"needs train\.distributed_optimizer=true"):
+        _run(CanOffload(), "auto", 1, extra=(offload,))
+    with pytest.raises(LoongError, match=r"optimizer_offload_fraction=0\.0: .* in \(0, 1\]"):
+        _run(CanOffload(), "auto", 1, extra=(offload, "train.distributed_optimizer=true",
+                                             "train.optimizer_offload_fraction=0"))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_optimizer_offload_trains_alike_and_resumes(tmp_path: Path) -> None:
+    """Offloaded, megatron-core's HybridDeviceOptimizer holds the fp32 master weights and Adam's moments in host
+    memory; the losses follow the on-device optimizer's (bf16 forward, fp32 AdamW either side), and a checkpoint
+    taken offloaded resumes offloaded with the same next losses as the run that went on."""
+    from megatron.core.optimizer.cpu_offloading import HybridDeviceOptimizer
+
+    from loong.core.accelerators.cuda import CUDAAccelerator
+
+    dist_opt = ("train.precision=bf16", "train.distributed_optimizer=true")
+    offload = (*dist_opt, "train.optimizer_cpu_offload=true")
+    seen: dict = {}
+
+    def state_devices(engine) -> None:  # noqa: ANN001
+        inner = engine.optimizer.optimizer
+        seen["hybrid"] = isinstance(inner, HybridDeviceOptimizer)
+        seen["devices"] = {v.device.type for st in inner.state.values() for v in st.values()
+                           if isinstance(v, torch.Tensor) and v.numel() > 1}
+
+    on_device, _, _ = _run(CUDAAccelerator(), "auto", 5, extra=dist_opt)
+    offloaded, _, _ = _run(CUDAAccelerator(), "auto", 5, extra=offload, inspect=state_devices)
+    assert seen == {"hybrid": True, "devices": {"cpu"}}
+    assert offloaded[0] == on_device[0] and offloaded[-1] < offloaded[0]
+    assert offloaded == pytest.approx(on_device, rel=2e-2)
+    first, _, _ = _run(CUDAAccelerator(), "auto", 3, extra=offload, save=tmp_path / "offloaded")
+    resumed, _, _ = _run(CUDAAccelerator(), "auto", 2, extra=offload, load=tmp_path / "offloaded")
+    assert first == pytest.approx(offloaded[:3], rel=1e-5)
+    assert resumed == pytest.approx(offloaded[3:], rel=1e-3)

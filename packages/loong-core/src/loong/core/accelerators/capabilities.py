@@ -16,6 +16,7 @@ TRITON = "triton"
 TRANSFORMER_ENGINE = "transformer_engine"
 FLASH_ATTN = "flash_attn"
 FP8 = "fp8"
+OPTIMIZER_OFFLOAD = "optimizer_offload"
 
 #: name -> what reporting it promises. Reporting a name is a promise that the path works on this
 #: hardware, not merely that a package imports.
@@ -25,6 +26,8 @@ CAPABILITIES: dict[str, str] = {
     TRANSFORMER_ENGINE: "Transformer Engine's modules run (megatron-core's TE layer spec, TE norms)",
     FLASH_ATTN: "the flash-attn package's kernels run on the device",
     FP8: "hardware FP8 (e4m3/e5m2) matrix products, so FP8 recipes can run; absent: bf16 only",
+    OPTIMIZER_OFFLOAD: "megatron-core's HybridDeviceOptimizer runs (CUDA streams and pinned host memory), so "
+                       "train.optimizer_cpu_offload can keep the optimizer state in host memory",
 }
 
 

@@ -77,7 +77,7 @@ class CUDAAccelerator(Accelerator):
         torch.cuda.reset_peak_memory_stats()
 
     def capabilities(self) -> set[str]:
-        caps = {"triton", "sdpa"}
+        caps = {"triton", "sdpa", "optimizer_offload"}
         if importlib.util.find_spec("transformer_engine") is not None:
             caps.add("transformer_engine")
         if importlib.util.find_spec("flash_attn") is not None:

@@ -88,6 +88,12 @@ class TrainConfig:
     # Megatron-LM's --grad-reduce-in-bf16: gradients accumulate and all-reduce in bf16 (half the fp32 grad buffer:
     # 2 bytes per parameter, and half the DP traffic); the optimiser still steps on fp32 copies. bf16 runs only.
     grad_reduce_in_bf16: bool = False
+    # Megatron-LM's --optimizer-cpu-offload: the fp32 master weights and Adam's moments live in (pinned) host memory
+    # and the AdamW step runs on the CPU (megatron-core's HybridDeviceOptimizer), freeing 12 bytes per parameter
+    # of device memory for a host round trip per step. Needs train.distributed_optimizer=true and an accelerator
+    # that can (CUDA); optimizer_offload_fraction < 1 keeps that share of the parameters' state on the device.
+    optimizer_cpu_offload: bool = False
+    optimizer_offload_fraction: float = 1.0
     log_interval: int = 1
     eval_interval: int = 50
     eval_iters: int = 2

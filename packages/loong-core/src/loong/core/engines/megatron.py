@@ -20,12 +20,13 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.transformer.module import Float16Module
 
 from loong.core.accelerators.base import Accelerator
+from loong.core.accelerators.capabilities import OPTIMIZER_OFFLOAD
 from loong.core.checkpoint.optimizer import (
     load_merged_state_dict,
     match_saved_keys,
     merged_sharded_state_dict,
 )
-from loong.core.config.schema import RunConfig
+from loong.core.config.schema import RunConfig, TrainConfig
 from loong.core.engines.base import Engine, StepMetrics
 from loong.core.errors import LoongError
 from loong.core.parallel import ParallelLayout
@@ -57,6 +58,22 @@ def num_microbatches(cfg: RunConfig, dp: int) -> int:
     return t.global_batch_size // (t.micro_batch_size * dp)
 
 
+def check_optimizer_offload(train: TrainConfig, accelerator: Accelerator) -> None:
+    """Refuse ``train.optimizer_cpu_offload`` where it cannot run, before any model is built."""
+    if not train.optimizer_cpu_offload:
+        return
+    if OPTIMIZER_OFFLOAD not in accelerator.capabilities():
+        raise LoongError(f"train.optimizer_cpu_offload=true: the {accelerator.name} accelerator cannot offload the "
+                         "optimizer (megatron-core's HybridDeviceOptimizer needs CUDA streams and pinned host memory); "
+                         "set train.optimizer_cpu_offload=false")
+    if not train.distributed_optimizer:
+        raise LoongError("train.optimizer_cpu_offload=true needs train.distributed_optimizer=true (as Megatron-LM's "
+                         "--optimizer-cpu-offload: the offloaded state is the distributed optimizer's shards)")
+    if not 0.0 < train.optimizer_offload_fraction <= 1.0:
+        raise LoongError(f"train.optimizer_offload_fraction={train.optimizer_offload_fraction}: give the share of "
+                         "the optimizer state kept in host memory, in (0, 1]")
+
+
 @ENGINES.register("megatron")
 class MegatronEngine(Engine):
     """Builds the task's model chunks (one per virtual pipeline stage) and steps them."""
@@ -66,6 +83,7 @@ class MegatronEngine(Engine):
         self.task, self.cfg, self.accelerator, self.layout = task, cfg, accelerator, layout
         self.dtype = resolve_dtype(cfg.train.precision, accelerator)
         check_precision(cfg.precision, accelerator, self.dtype)  # FP8 fails here, before any model is built
+        check_optimizer_offload(cfg.train, accelerator)
         self.num_microbatches = num_microbatches(cfg, layout.dp)
         if cfg.parallel.vpp and self.num_microbatches < cfg.parallel.pp:
             raise LoongError(
@@ -113,11 +131,16 @@ class MegatronEngine(Engine):
                 adam_beta1=t.adam_beta1, adam_beta2=t.adam_beta2, adam_eps=t.adam_eps,
                 clip_grad=t.clip_grad, bf16=self.dtype == torch.bfloat16, params_dtype=self.dtype,
                 use_distributed_optimizer=t.distributed_optimizer,
+                # Megatron-LM pairs --optimizer-cpu-offload with --use-precision-aware-optimizer: the offloading
+                # optimizer then keeps the fp32 master weights itself (on the host) instead of the distributed one
+                optimizer_cpu_offload=t.optimizer_cpu_offload, use_precision_aware_optimizer=t.optimizer_cpu_offload,
+                optimizer_offload_fraction=t.optimizer_offload_fraction if t.optimizer_cpu_offload else 0.0,
             ),
             self.model_chunks,
         )
         impl = t.optimizer_impl if t.optimizer_impl != "auto" else self.accelerator.adam_implementation()
-        self.adam_fused = impl == "fused"
+        # offloaded, megatron-core builds its own AdamWs (fused on the CPU part): nothing of ours to switch
+        self.adam_fused = impl == "fused" and not t.optimizer_cpu_offload
         self._apply_adam_implementation()
         warmup = min(t.warmup_steps, max(t.steps - 1, 0))
         self.scheduler = OptimizerParamScheduler(
@@ -358,8 +381,10 @@ class MegatronEngine(Engine):
             )
 
     def _torch_adams(self) -> list[torch.optim.Optimizer]:
-        """The torch Adam/AdamW instances inside megatron-core's (possibly chained) optimiser."""
-        inner = (getattr(o, "optimizer", None) for o in getattr(self.optimizer, "chained_optimizers", [self.optimizer]))
+        """The torch Adam/AdamW instances inside megatron-core's (possibly chained) optimiser, including those of an
+        offloading ``HybridDeviceOptimizer`` (its CPU and device parts)."""
+        inner = [getattr(o, "optimizer", None) for o in getattr(self.optimizer, "chained_optimizers", [self.optimizer])]
+        inner = [sub for o in inner for sub in getattr(o, "sub_optimizers", [o])]
         return [o for o in inner if isinstance(o, torch.optim.Adam)]
 
     def _apply_adam_implementation(self) -> None:
