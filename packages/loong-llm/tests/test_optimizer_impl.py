@@ -36,7 +36,8 @@ class PrefersFused(CPUAccelerator):
 
 
 def _run(acc: CPUAccelerator, impl: str, steps: int, save: Path | None = None, load: Path | None = None,
-         extra: tuple[str, ...] = (), grad_dtypes: set | None = None, inspect=None):  # noqa: ANN001
+         extra: tuple[str, ...] = (), grad_dtypes: set | None = None, inspect=None,  # noqa: ANN001
+         first_step: int = 0):
     cfg, _ = compose_config("loong.llm.configs", "pretrain", [*SETTINGS, f"train.optimizer_impl={impl}", *extra],
                             LLMRunConfig)
     with acc.activate():
@@ -51,7 +52,9 @@ def _run(acc: CPUAccelerator, impl: str, steps: int, save: Path | None = None, l
                 grad_dtypes.update(buf.grad_dtype for chunk in engine.model_chunks for buf in chunk.buffers)
             if load is not None:
                 engine.load(load)
-            losses = [engine.train_step(step).loss for step in range(steps)]
+            if first_step:  # resuming as the trainer does: the schedule's place, the data of the steps that follow
+                engine.load_scheduler_state({"num_steps": first_step})
+            losses = [engine.train_step(step).loss for step in range(first_step, first_step + steps)]
             if inspect is not None:
                 inspect(engine)
             if save is not None:
@@ -165,6 +168,6 @@ def test_cuda_optimizer_offload_trains_alike_and_resumes(tmp_path: Path) -> None
     assert offloaded[0] == on_device[0] and offloaded[-1] < offloaded[0]
     assert offloaded == pytest.approx(on_device, rel=2e-2)
     first, _, _ = _run(CUDAAccelerator(), "auto", 3, extra=offload, save=tmp_path / "offloaded")
-    resumed, _, _ = _run(CUDAAccelerator(), "auto", 2, extra=offload, load=tmp_path / "offloaded")
+    resumed, _, _ = _run(CUDAAccelerator(), "auto", 2, extra=offload, load=tmp_path / "offloaded", first_step=3)
     assert first == pytest.approx(offloaded[:3], rel=1e-5)
     assert resumed == pytest.approx(offloaded[3:], rel=1e-3)
