@@ -250,6 +250,23 @@ def test_nonfinite_probe_names_where_the_backward_made_it(tmp_path: Path) -> Non
     assert rc != 0 and "train.nonfinite_probe=true names where the backward first produced it" in log, log[-2000:]
 
 
+def test_out_of_memory_names_what_would_fit(tmp_path: Path) -> None:
+    """torch's OutOfMemoryError in step 3 becomes a clear error: the step, torch's first line, the intact step-2
+    checkpoint, and the memory options this run does not use yet (the model's own first)."""
+    rc, log, run = _nan_run(tmp_path, "stop", "oom:3")
+    assert rc != 0
+    ckpt = run / "checkpoints" / "step_00000002"
+    assert (f"step 3 ran out of cpu memory (CUDA out of memory. Tried to allocate 7.00 GiB (injected)); the last "
+            f"checkpoint, {ckpt}, is intact. Options that lower memory, cheapest first:") in log, log[-2000:]
+    options = log[log.index("cheapest first:"):]
+    assert options.index("model.recompute=full") < options.index("train.micro_batch_size=1")
+    assert "parallel.tp" in options
+    assert "grad_reduce_in_bf16" not in options  # an fp32 run: no bf16 gradient buffer to offer
+    assert "optimizer_cpu_offload" not in options  # the CPU cannot offload
+    verify_checkpoint(ckpt)
+    assert not (run / "checkpoints" / "step_00000004").exists()
+
+
 def test_nonfinite_skip(tmp_path: Path) -> None:
     rc, log, run = _nan_run(tmp_path, "skip")
     assert rc == 0, log[-3000:]

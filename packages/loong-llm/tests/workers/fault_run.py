@@ -14,6 +14,7 @@ PretrainTask registered here; nothing in the package is patched):
 - ``nangrad:N``  step N's loss stays finite but the final norm's weight gets a NaN gradient;
 - ``nanact:N``   step N's loss stays finite but the backward turns the gradient at the final norm's output NaN
                  (as a faulty kernel between modules would).
+- ``oom:N``      step N's second micro-batch raises torch's ``OutOfMemoryError`` in the forward (rank 0).
 """
 
 from __future__ import annotations
@@ -73,6 +74,8 @@ class FaultyTask(PretrainTask):
                 os.kill(os.getpid(), signal.SIGKILL)
             if kind == "raise" and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0" and _rank0():
                 raise RuntimeError("injected worker failure")
+            if kind == "oom" and _rank0():
+                raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 7.00 GiB (injected)")
         hook = None
         if kind == "nanact" and model.training and self._batch == n - 1:
             norm = unwrap(model).decoder.final_layernorm

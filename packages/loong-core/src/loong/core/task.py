@@ -87,6 +87,11 @@ class Task(ABC):
         """Training FLOPs per token (forward + backward) for MFU; None when unknown."""
         return None
 
+    def memory_hints(self) -> list[str]:
+        """Overrides of this task's model that would lower a step's device memory and that this run does not use
+        yet (e.g. activation recomputation), cheapest first: shown when a step runs out of memory."""
+        return []
+
     def state_dict(self) -> dict[str, Any]:
         """Task state a resumed run needs (JSON-serialisable; saved in every checkpoint)."""
         return {}

@@ -222,6 +222,19 @@ class PretrainTask(Task):
     def flops_per_token(self) -> float:
         return training_flops_per_token(self.cfg.model, self.cfg.train.seq_length)
 
+    def memory_hints(self) -> list[str]:
+        m = self.cfg.model
+        hints = []
+        if m.recompute != "full":
+            hints.append("model.recompute=full (each layer's activations recomputed in the backward; "
+                         "model.recompute_num_layers groups them)")
+        if m.fused_kernels == "off":
+            hints.append("model.fused_kernels=auto (the fused linear + cross-entropy keeps no [tokens, vocab] logits)")
+        if m.family == "deepseek_v32" and m.dsa_head_chunks == 1:
+            hints.append("model.dsa_head_chunks=8 (the sparse attention core per head group, recomputed: no "
+                         "[tokens, heads, 576] query kept per layer)")
+        return hints
+
     def save_artifacts(self, checkpoint_dir: Path) -> None:
         self.tokenizer.save(checkpoint_dir / "tokenizer")
 

@@ -19,6 +19,7 @@ from loong.core.engines.base import Engine
 from loong.core.errors import LoongError
 from loong.core.parallel import ParallelLayout
 from loong.core.task import Task
+from loong.core.trainer.out_of_memory import memory_options, out_of_memory_error
 from loong.core.trainer.profiling import StepProfiler
 from loong.core.trainer.reporting import Reporter
 from loong.core.trainer.resilience import BatchSchedule, check_same_model, nonfinite_diagnostic
@@ -141,6 +142,14 @@ class Trainer:
         raise LoongError(f"{diag}; stopped (train.on_nonfinite=stop). The last checkpoint is intact; "
                          "train.on_nonfinite=skip or rollback continues past such steps")
 
+    def _out_of_memory(self, step: int, error: BaseException) -> LoongError:
+        """The clear error for an out-of-memory in ``step``: what would fit, and which checkpoint is intact."""
+        bf16 = getattr(self.engine, "dtype", torch.float32) == torch.bfloat16
+        hints = memory_options(self.cfg, self.accelerator, self.layout.dp, bf16, self.task.memory_hints())
+        self.checkpoints.wait()
+        device = self.accelerator.device(self.layout.local_rank).type
+        return out_of_memory_error(step, error, hints, device, self.checkpoints.latest())
+
     # --- loop --------------------------------------------------------------------------------
     def _any(self, flag: bool) -> bool:
         """True on every rank if ``flag`` is true on any rank (signals may reach ranks unevenly)."""
@@ -175,7 +184,10 @@ class Trainer:
                     self.checkpoints.poll()
                     batch = self.batches.batch(step)
                     profiler.before_step(step + 1)
-                    metrics = self.engine.train_step(batch)
+                    try:
+                        metrics = self.engine.train_step(batch)
+                    except torch.OutOfMemoryError as error:
+                        raise self._out_of_memory(step + 1, error) from error
                     profiler.after_step(step + 1, self.accelerator.synchronize)
                     if metrics.nonfinite:
                         step = self._on_nonfinite(step, batch, metrics, reporter)
