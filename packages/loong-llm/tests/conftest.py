@@ -72,3 +72,23 @@ def _run_workers(worker: Path, *args: str, nproc: int = 2, timeout: int = 600) -
 def run_workers():  # noqa: ANN201
     """``run_workers(script, *args)``: a test worker in 2 gloo processes through torch.distributed.run."""
     return _run_workers
+
+
+@pytest.fixture(scope="session")
+def moe_family_layouts(tmp_path_factory: pytest.TempPathFactory, run_workers) -> dict:  # noqa: ANN001
+    """Qwen3-MoE's and DeepSeek-V3's layout checks (``test_moe.py``, ``test_deepseek_v3.py``) from one 2-process
+    launch (``workers/moe_family_layouts.py``): ``{"qwen3_moe": results, "deepseek_v3": results, "hf": folders}``."""
+    import json
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from test_deepseek_v3 import build_tiny_deepseek_v3_hf
+    from test_moe import build_tiny_moe_hfs
+
+    root = tmp_path_factory.mktemp("moe_family_layouts")
+    moe, dense = build_tiny_moe_hfs(root)
+    dsv3 = build_tiny_deepseek_v3_hf(root / "tiny-deepseek-v3")
+    run_workers(Path(__file__).parent / "workers" / "moe_family_layouts.py", str(moe), str(dense), str(dsv3), str(root))
+    return {"qwen3_moe": json.loads((root / "qwen3_moe.json").read_text()),
+            "deepseek_v3": json.loads((root / "deepseek_v3.json").read_text()),
+            "hf": {"qwen3_moe": str(moe), "deepseek_v3": str(dsv3)}}

@@ -7,7 +7,6 @@ gradients (one 2-process gloo launch, ``workers/deepseek_layouts.py``)."""
 from __future__ import annotations
 
 import dataclasses
-import json
 from pathlib import Path
 
 import pytest
@@ -30,7 +29,6 @@ from loong.llm.models.hf_mapping import family_for_hf_config, hf_to_native, nati
 from loong.llm.schema import LLMRunConfig
 
 TOL = 1e-5
-WORKER = Path(__file__).parent / "workers" / "deepseek_layouts.py"
 SEQ = 40
 
 
@@ -368,11 +366,10 @@ def test_deepseek_v3_4l_preset_fits_one_h200():
 
 # --- layouts (one 2-process gloo launch) ---------------------------------------------------------------
 
-@pytest.fixture(scope="module")
-def tiny_deepseek_v3_hf(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A 3-layer (1 dense + 2 MoE) DeepseekV3ForCausalLM plus one MTP module, at the packaged tokenizer's vocab."""
+def build_tiny_deepseek_v3_hf(out: Path) -> Path:
+    """The layout checks' HF folder: a 3-layer (1 dense + 2 MoE) DeepseekV3ForCausalLM plus one MTP module, at the
+    packaged tokenizer's vocab (the conftest's ``moe_family_layouts`` launch uses it)."""
     torch.manual_seed(0)
-    out = tmp_path_factory.mktemp("hf") / "tiny-deepseek-v3"
     model = AutoModelForCausalLM.from_config(tiny_deepseek_v3_config(vocab=512), dtype=torch.float32)
     randomize(_weights(model), seed=4)
     model.save_pretrained(out)
@@ -391,10 +388,13 @@ def tiny_deepseek_v3_hf(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def layouts(tiny_deepseek_v3_hf: Path, tmp_path_factory: pytest.TempPathFactory, run_workers) -> dict:  # noqa: ANN001
-    out = tmp_path_factory.mktemp("deepseek_layouts") / "result.json"
-    run_workers(WORKER, str(tiny_deepseek_v3_hf), str(out))
-    return json.loads(out.read_text())
+def layouts(moe_family_layouts: dict) -> dict:
+    return moe_family_layouts["deepseek_v3"]
+
+
+@pytest.fixture(scope="module")
+def tiny_deepseek_v3_hf(moe_family_layouts: dict) -> Path:
+    return Path(moe_family_layouts["hf"]["deepseek_v3"])
 
 
 def _rel_f(a: float, b: float) -> float:

@@ -1,10 +1,9 @@
 """Qwen3-MoE: parity with transformers (fp32 CPU, tiny random model), the HF mapping both ways, ``convert``
 both ways, and EP=2 / TP=2 / ETP layouts reproducing the single-rank loss and gradients (one 2-process gloo
-launch, ``workers/moe_layouts.py``)."""
+launch shared with DeepSeek-V3's, ``workers/moe_layouts.py`` through ``moe_family_layouts.py``)."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
@@ -22,7 +21,6 @@ from loong.llm.models.fused import FusedKernels
 from loong.llm.models.hf_mapping import family_for_hf_config, hf_to_native, native_to_hf
 
 TOL = 1e-5
-WORKER = Path(__file__).parent / "workers" / "moe_layouts.py"
 
 
 def tiny_qwen3_moe_config(vocab: int = 256, layers: int = 2, norm_topk_prob: bool = True) -> Qwen3MoeConfig:
@@ -196,27 +194,29 @@ def test_config_errors(tmp_path):
 
 # --- layouts (one 2-process gloo launch) ---------------------------------------------------------------
 
-@pytest.fixture(scope="module")
-def tiny_qwen3_moe_hf(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A 2-layer, 8-expert, top-2 Qwen3MoeForCausalLM at the packaged tokenizer's vocab size."""
-    torch.manual_seed(0)
-    out = tmp_path_factory.mktemp("hf") / "tiny-qwen3-moe"
-    AutoModelForCausalLM.from_config(tiny_qwen3_moe_config(vocab=512), dtype=torch.float32).save_pretrained(out)
-    return out
-
-
-@pytest.fixture(scope="module")
-def layouts(tiny_qwen3_moe_hf: Path, tmp_path_factory: pytest.TempPathFactory, run_workers) -> dict:  # noqa: ANN001
+def build_tiny_moe_hfs(root: Path) -> tuple[Path, Path]:
+    """The layout checks' HF folders: a 2-layer, 8-expert, top-2 Qwen3MoeForCausalLM and a dense 2-layer Qwen3, at the
+    packaged tokenizer's vocab size (the conftest's ``moe_family_layouts`` launch uses them)."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    root = tmp_path_factory.mktemp("moe_layouts")
+    torch.manual_seed(0)
+    moe = root / "tiny-qwen3-moe"
+    AutoModelForCausalLM.from_config(tiny_qwen3_moe_config(vocab=512), dtype=torch.float32).save_pretrained(moe)
     torch.manual_seed(0)
     Qwen3ForCausalLM(Qwen3Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                                  head_dim=16, num_key_value_heads=2, vocab_size=512, max_position_embeddings=256,
                                  tie_word_embeddings=False)).save_pretrained(root / "qwen3")
-    out = root / "result.json"
-    run_workers(WORKER, str(tiny_qwen3_moe_hf), str(out), str(root / "qwen3"))
-    return json.loads(out.read_text())
+    return moe, root / "qwen3"
+
+
+@pytest.fixture(scope="module")
+def layouts(moe_family_layouts: dict) -> dict:
+    return moe_family_layouts["qwen3_moe"]
+
+
+@pytest.fixture(scope="module")
+def tiny_qwen3_moe_hf(moe_family_layouts: dict) -> Path:
+    return Path(moe_family_layouts["hf"]["qwen3_moe"])
 
 
 def _rel_f(a: float, b: float) -> float:

@@ -61,8 +61,8 @@ def train(hf_dir: str, name: str, run_dir: Path, acc) -> tuple[list[float], floa
     return t[:STEPS].tolist(), float(t[STEPS])
 
 
-def main() -> None:
-    hf_dir, out = sys.argv[1], Path(sys.argv[2])
+def run(hf_dir: str, out: Path) -> None:
+    """Every check above; rank 0 writes the JSON to ``out``."""
     acc = select_accelerator("cpu")
     result: dict = {"loss": {}, "grad_err": {}, "grad_worst": {}, "grad_keys_equal": {}, "mtp_grad_nonzero": {},
                     "train": {}, "mtp_loss": {}, "bias_moved": {}, "errors": {}}
@@ -104,4 +104,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run(sys.argv[1], Path(sys.argv[2]))

@@ -63,8 +63,8 @@ def train(hf_dir: str, name: str, run_dir: Path, acc, resume: Path | None = None
     return t[0].tolist(), t[1].tolist()
 
 
-def main() -> None:
-    hf_dir, out, dense_dir = sys.argv[1], Path(sys.argv[2]), sys.argv[3]
+def run(hf_dir: str, out: Path, dense_dir: str) -> None:
+    """Every check above; rank 0 writes the JSON to ``out``."""
     acc = select_accelerator("cpu")
     result: dict = {"loss": {}, "grad_err": {}, "grad_keys_equal": {}, "train": {}, "aux": {}, "errors": {}}
     with acc.activate():
@@ -119,4 +119,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run(sys.argv[1], Path(sys.argv[2]), sys.argv[3])
