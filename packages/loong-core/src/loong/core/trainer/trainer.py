@@ -13,7 +13,14 @@ import torch
 import torch.distributed as dist
 
 from loong.core.accelerators.base import Accelerator
-from loong.core.checkpoint import CheckpointManager, load_rng_states, read_config, read_state, save_rng_states
+from loong.core.checkpoint import (
+    CheckpointManager,
+    load_rng_states,
+    newest_good,
+    read_config,
+    read_state,
+    save_rng_states,
+)
 from loong.core.config.schema import RunConfig
 from loong.core.engines.base import Engine
 from loong.core.errors import LoongError
@@ -146,9 +153,10 @@ class Trainer:
         """The clear error for an out-of-memory in ``step``: what would fit, and which checkpoint is intact."""
         bf16 = getattr(self.engine, "dtype", torch.float32) == torch.bfloat16
         hints = memory_options(self.cfg, self.accelerator, self.layout.dp, bf16, self.task.memory_hints())
-        self.checkpoints.wait()
+        # no collective here (the other ranks may be inside the step): the newest finished checkpoint on disk, by sizes
+        last, _ = newest_good(self.checkpoints.root, checksums=False)
         device = self.accelerator.device(self.layout.local_rank).type
-        return out_of_memory_error(step, error, hints, device, self.checkpoints.latest())
+        return out_of_memory_error(step, error, hints, device, last)
 
     # --- loop --------------------------------------------------------------------------------
     def _any(self, flag: bool) -> bool:

@@ -182,7 +182,8 @@ def indexer_kl(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, indices: torch
     """``mean_t KL(target_t || softmax_s(I[t, s]))`` over the keys ``indices [B, S, K]`` (fp32 scalar).
 
     Gradients reach ``q``, ``k`` and ``w`` (the indexer); ``target`` is a constant. Each query chunk's scores are
-    recomputed in the backward instead of saved, so memory stays at one chunk's ``[B, c, H_I, S]``.
+    recomputed in the backward instead of saved, so memory stays at one chunk's (``[B, c, H_I, K]`` with the gathered
+    ``[B, c, K, D_I]`` key rows, or ``[B, c, H_I, S]`` when every key is scored: :func:`_gathers`).
     """
     b, s = indices.shape[:2]
     n_keys, seq_kv = indices.shape[-1], k.shape[1]
