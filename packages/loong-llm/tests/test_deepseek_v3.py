@@ -7,6 +7,7 @@ gradients (one 2-process gloo launch, ``workers/deepseek_layouts.py``)."""
 from __future__ import annotations
 
 import dataclasses
+import sys
 from pathlib import Path
 
 import pytest
@@ -173,6 +174,19 @@ def test_fused_reference_modules_match(cpu, tmp_path):
     load_full_state([fused], native)
     tokens, pos = _inputs(model_cfg.vocab_size)
     assert _rel(fused(tokens, pos, None), plain(tokens, pos, None)) <= TOL
+
+
+def test_grouped_mm_experts_equal_the_sequential_loop(cpu, tmp_path):
+    """model.moe_grouped_mm with sigmoid group-limited routing, the expert bias and a shared expert: the loop's loss
+    and every gradient."""
+    sys.path.insert(0, str(Path(__file__).parent))
+    from test_moe import assert_grouped_mm_equals_loop
+
+    _, folder = _hf_model(tmp_path)
+    _, state = read_hf_folder(folder)
+    model_cfg = model_config_from_hf(folder)
+    assert_grouped_mm_equals_loop(lambda cfg: _loong(cpu, cfg), model_cfg, hf_to_native(state, model_cfg),
+                                  *_inputs(model_cfg.vocab_size))
 
 
 def _mtp_model(cpu, tmp_path):

@@ -114,6 +114,51 @@ def test_fused_reference_modules_match(cpu, tmp_path):
     assert _rel(fused(tokens, pos, None), plain(tokens, pos, None)) <= TOL
 
 
+def assert_grouped_mm_equals_loop(build, model_cfg, native: dict, tokens: torch.Tensor, pos: torch.Tensor) -> None:  # noqa: ANN001
+    """``build(model_cfg)`` with ``moe_grouped_mm`` off and on, both loaded with ``native``: the grouped experts give the
+    loop's loss and every gradient (also test_deepseek_v3's)."""
+    import dataclasses
+
+    from loong.llm.models.grouped_experts import GroupedMMExperts
+
+    results = []
+    for grouped in (False, True):
+        model = build(dataclasses.replace(model_cfg, moe_grouped_mm=grouped)).train()
+        experts = {type(m) for m in model.modules() if type(m).__name__.endswith(("SequentialMLP", "MMExperts"))}
+        assert (GroupedMMExperts in experts) is grouped and len(experts) == 1
+        load_full_state([model], native)
+        loss = model(tokens, pos, None, labels=tokens.roll(-1, dims=1)).mean()
+        loss.backward()
+        results.append((loss.item(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}))
+    (loop_loss, loop_grads), (loss, grads) = results
+    assert abs(loss - loop_loss) / loop_loss <= 1e-6
+    assert grads.keys() == loop_grads.keys() and sum(".local_experts." in n for n in grads) >= 4
+    for name, g in grads.items():
+        assert _rel(g, loop_grads[name]) <= 1e-5, name
+
+
+@pytest.mark.parametrize("fused", [None, FusedKernels.everything("reference")])
+def test_grouped_mm_experts_equal_the_sequential_loop(cpu, tmp_path, fused):
+    """model.moe_grouped_mm: the experts as two torch._grouped_mm calls (also with the fused activation module)
+    give the loop's loss and every gradient, with the same parameters (one state dict loads into both)."""
+    _, folder = _hf_model(tmp_path)
+    hf_cfg, state = read_hf_folder(folder)
+    model_cfg = family_for_hf_config(hf_cfg).config_from_hf(hf_cfg)
+    assert_grouped_mm_equals_loop(lambda cfg: _loong(cpu, cfg, fused), model_cfg, hf_to_native(state, model_cfg),
+                                  *_inputs(model_cfg.vocab_size))
+
+
+def test_grouped_mm_experts_refuse_fp8():
+    from loong.core.config import compose_config
+    from loong.llm.pretrain import PretrainTask
+    from loong.llm.schema import LLMRunConfig
+
+    cfg, _ = compose_config("loong.llm.configs", "pretrain", ["model=qwen3_30b_a3b_4l", "model.moe_grouped_mm=true",
+                                                              "precision.fp8=tensorwise"], LLMRunConfig)
+    with pytest.raises(LoongError, match=r"model\.moe_grouped_mm=true .* precision\.fp8=tensorwise would not reach"):
+        PretrainTask.check_config(cfg)
+
+
 @torch.no_grad()
 def test_loong_to_hf_export_loads_in_transformers(cpu, tmp_path):
     _, folder = _hf_model(tmp_path)
@@ -223,7 +268,7 @@ def _rel_f(a: float, b: float) -> float:
     return abs(a - b) / abs(b)
 
 
-LAYOUT_NAMES = ["ep2", "tp2", "tp2etp1", "tp2ep2"]
+LAYOUT_NAMES = ["ep2", "tp2", "tp2etp1", "tp2ep2", "ep2_grouped", "tp2_grouped"]
 
 
 @pytest.mark.slow

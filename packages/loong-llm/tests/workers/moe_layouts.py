@@ -2,6 +2,7 @@
 
 One 2-process gloo launch: the same HF-initialised tiny Qwen3-MoE gives, at TP=1 (DP=2; the single-rank
 reference, data-parallel), EP=2, TP=2 (experts TP-split, ETP=2), TP=2 with ETP=1, and TP=2 with EP=2 (ETP=1),
+and EP=2 and TP=2 with the experts as grouped products (``model.moe_grouped_mm``),
 the loss and every gradient of one step (the load-balancing aux loss's gradient included), then a few
 training steps each (with the logged ``moe_aux_loss``); EP=2 runs twice to show the routing is
 deterministic, and saves a checkpoint that EP=2 resumes (``pytest`` converts it to HF); every run
@@ -35,6 +36,9 @@ LAYOUTS = {
     "tp2": ["parallel.tp=2"],
     "tp2etp1": ["parallel.tp=2", "parallel.etp=1"],
     "tp2ep2": ["parallel.tp=2", "parallel.ep=2", "parallel.etp=1"],
+    # the experts as grouped products (model.moe_grouped_mm): EP=2, and TP=2 whose experts are TP-split (ETP=2)
+    "ep2_grouped": ["parallel.ep=2", "model.moe_grouped_mm=true"],
+    "tp2_grouped": ["parallel.tp=2", "model.moe_grouped_mm=true"],
 }
 
 

@@ -48,6 +48,10 @@ class PretrainTask(Task):
             raise LoongError(f"data.path: {cfg.data.path} does not exist")
         from loong.llm.lora import check_lora_config
 
+        if m.is_moe and m.moe_grouped_mm and cfg.precision.fp8 != "off":
+            raise LoongError(f"model.moe_grouped_mm=true multiplies the experts' weights outside their linear layers, "
+                             f"so precision.fp8={cfg.precision.fp8} would not reach them; set model.moe_grouped_mm="
+                             "false or precision.fp8=off")
         if m.is_moe and m.lora.rank > 0:
             raise LoongError("model.lora on a mixture-of-experts model is not supported yet (the experts' "
                              "linear layers are not wrapped); set model.lora.rank=0")

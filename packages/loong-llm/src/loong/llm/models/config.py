@@ -63,6 +63,8 @@ class DenseModelConfig:
     ``moe_aux_loss_coeff`` weighs megatron's load-balancing loss (HF ``router_aux_loss_coef``; added to the
     gradient through megatron's ``MoEAuxLossAutoScaler``, logged as ``moe_aux_loss``),
     ``moe_token_dispatcher`` is megatron's token dispatcher (``alltoall`` or ``allgather``; both run on gloo).
+    ``moe_grouped_mm`` runs a rank's experts as two ``torch._grouped_mm`` calls instead of megatron's loop over
+    ``SequentialMLP`` experts (same parameters and checkpoints; ``models/grouped_experts.py``).
 
     DeepSeek-V3 (``family=deepseek_v3``, ``deepseek_v32``; see docs/moe.md): multi-latent attention when
     ``kv_lora_rank`` is set (``q_lora_rank`` None = a direct query projection; ``qk_nope_head_dim`` +
@@ -110,6 +112,7 @@ class DenseModelConfig:
     norm_topk_prob: bool = True
     moe_aux_loss_coeff: float = 0.001
     moe_token_dispatcher: Literal["alltoall", "allgather"] = "alltoall"
+    moe_grouped_mm: bool = False
     q_lora_rank: int | None = None
     kv_lora_rank: int | None = None
     qk_nope_head_dim: int = 128
