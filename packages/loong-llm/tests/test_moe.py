@@ -148,6 +148,40 @@ def test_grouped_mm_experts_equal_the_sequential_loop(cpu, tmp_path, fused):
                                   *_inputs(model_cfg.vocab_size))
 
 
+@pytest.mark.gpu
+def test_cuda_grouped_mm_experts_match_the_loop(tmp_path):
+    """On CUDA in bf16 (torch._grouped_mm's GPU kernel): the grouped experts' loss and gradients follow the loop's
+    within bf16 rounding (the products accumulate in another order)."""
+    import dataclasses
+
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    if not torch.cuda.is_available():
+        pytest.fail("gpu tests need CUDA")
+    _, folder = _hf_model(tmp_path)
+    hf_cfg, state = read_hf_folder(folder)
+    model_cfg = family_for_hf_config(hf_cfg).config_from_hf(hf_cfg)
+    native = hf_to_native(state, model_cfg)
+    tokens, pos = (t.cuda() for t in _inputs(model_cfg.vocab_size))
+    acc = select_accelerator("cuda")
+    results = []
+    with world(acc) as layout:
+        for grouped in (False, True):
+            cfg = dataclasses.replace(model_cfg, moe_grouped_mm=grouped)
+            model_parallel_cuda_manual_seed(0)
+            tc = transformer_config(cfg, ParallelConfig(), torch.bfloat16, {"use_cpu_initialization": True})
+            model = build_gpt_model(cfg, tc, acc.capabilities(), True, True, layout.pg_collection)
+            load_full_state([model], native)
+            model = model.to(device="cuda", dtype=torch.bfloat16).train()
+            loss = model(tokens, pos, None, labels=tokens.roll(-1, dims=1)).float().mean()
+            loss.backward()
+            results.append((loss.item(), {n: p.grad.float() for n, p in model.named_parameters()}))
+    (loop_loss, loop_grads), (loss, grads) = results
+    assert abs(loss - loop_loss) / loop_loss <= 1e-2
+    for name, g in grads.items():
+        assert _rel(g, loop_grads[name]) <= 5e-2, name
+
+
 def test_grouped_mm_experts_refuse_fp8():
     from loong.core.config import compose_config
     from loong.llm.pretrain import PretrainTask
