@@ -13,7 +13,8 @@ torchrun). One-GPU runs that do not depend on each other run side by side on dif
 - **Scaling 1 → 2 GPUs** at a fixed per-GPU batch: DP=2 with twice the global batch of a one-GPU run.
 - **MoE** (``--groups moe``): the reduced-layer MoE presets (``qwen3_30b_a3b_4l``, ``deepseek_v3_4l``,
   ``deepseek_v3_2_4l``; random HF weights from each preset's own config.json translation) on one GPU and at
-  EP=2 (DP=2 for the dense parts): the loss of every step against the one-GPU run, tokens/s per GPU, memory.
+  EP=2 (DP=2 for the dense parts): the loss of every step against the one-GPU run, tokens/s per GPU, memory;
+  ``--moe-overrides`` adds settings to every MoE run (e.g. ``model.moe_grouped_mm=true``).
 
 - **Context parallelism** (``--groups cp``): the ~1B at ``--cp-seq`` (32K) tokens per sequence on one GPU and at
   CP=2, ``model.recompute=full``: the loss of every step against the one GPU, tokens/s per GPU, memory.
@@ -151,6 +152,8 @@ def main() -> None:
     p.add_argument("--cp-seq", type=int, default=32768, help="tokens per sequence of the cp group")
     p.add_argument("--cp-gbs", type=int, default=4, help="global batch (sequences) of the cp group")
     p.add_argument("--moe-presets", nargs="+", choices=MOE_PRESETS, default=list(MOE_PRESETS))
+    p.add_argument("--moe-overrides", nargs="+", default=[],
+                   help="key=value overrides for every MoE run (e.g. model.moe_grouped_mm=true)")
     args = p.parse_args()
 
     import torch
@@ -194,14 +197,14 @@ def moe_runs(args: argparse.Namespace, work: Path, runs: Path, r: dict[str, dict
     """Each MoE preset on one GPU and at EP=2; returns the loss gaps."""
     hfs = {preset: make_hf_from_preset(preset, work / f"hf-{preset}") for preset in args.moe_presets}
     with ThreadPoolExecutor(2) as pool:  # the one-GPU runs two at a time, one per GPU
-        ones = {preset: pool.submit(train, f"{preset}-1gpu", hf, runs, args, 1, str(i % 2))
+        ones = {preset: pool.submit(train, f"{preset}-1gpu", hf, runs, args, 1, str(i % 2), *args.moe_overrides)
                 for i, (preset, hf) in enumerate(hfs.items())}
         for preset, fut in ones.items():
             r[f"{preset}-1gpu"] = {**fut.result(), "ref": f"{preset}-1gpu"}
     gaps, tails = {}, {}
     for preset, hf in hfs.items():
         one, ep2 = f"{preset}-1gpu", f"{preset}-ep2"
-        r[ep2] = {**train(ep2, hf, runs, args, 2, "0,1", "parallel.ep=2"), "ref": one}
+        r[ep2] = {**train(ep2, hf, runs, args, 2, "0,1", "parallel.ep=2", *args.moe_overrides), "ref": one}
         gaps[preset], tails[preset] = loss_gap(r[ep2], r[one]), tail_gap(r[ep2], r[one])
     return {"moe_loss_gap_ep2_vs_1gpu": gaps, "moe_loss_gap_ep2_vs_1gpu_last10_mean": tails}
 
