@@ -51,8 +51,8 @@ FWD_CONFIG: dict[str, int] = {"BLOCK_H": 64, "BLOCK_N": 64, "num_warps": 8, "num
 BWD_CONFIG: dict[str, int] = {"BLOCK_H": 32, "BLOCK_N": 32, "num_warps": 8, "num_stages": 1}
 # The split backward (BWD_SPLIT): BWD_CONFIG's kernel computes dq only, and a second kernel (DKV_CONFIG: its
 # BLOCK_N keys per program, heads BLOCK_H at a time) adds dkv summed over all heads with one atomic per tile
-# (~1.4x the FLOPs, n_heads / BLOCK_H times fewer atomics). Off until measured on a GPU against the fused one
-# (``benchmarks/dsa.py --bwd-split``).
+# (~1.4x the FLOPs, n_heads / BLOCK_H times fewer atomics). Off: on an H200 it is slower than the fused one
+# (backward 73 vs 98 TFLOP/s at 8K, 70 vs 89 at 64K; ``benchmarks/dsa.py --bwd-split``, docs/kernels.md).
 BWD_SPLIT = False
 DKV_CONFIG: dict[str, int] = {"BLOCK_H": 32, "BLOCK_N": 32, "num_warps": 8, "num_stages": 1}
 _MAX_DIM = 1024  # padded value part; wider rows would not fit the tiles
