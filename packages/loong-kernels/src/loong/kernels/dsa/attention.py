@@ -19,7 +19,7 @@ inverse index would need either the per-(query, head, key) probabilities stored 
 64K) or the attention recomputed from the key side. The price is run-to-run bit differences in ``dkv``
 (fp32 sums in a varying order) and ``4 * B * S_kv * D`` bytes for the buffer.
 
-Split backward (``BWD_SPLIT``, off until measured): the same kernel without its atomics computes dq and stores
+Split backward (``BWD_SPLIT``, off: measured slower on an H200): the same kernel without its atomics computes dq and stores
 ``delta``; a second kernel, one program per (key tile, token), gathers the tile once, walks all heads and adds
 dk + dv summed over every head with one atomic per element, where the fused backward adds once per head block.
 Compiled offline for sm_90 at V3.2's shape (32 heads x 32 keys, 8 warps), the dq pass holds its registers
