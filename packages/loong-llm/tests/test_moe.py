@@ -193,6 +193,36 @@ def test_grouped_mm_experts_refuse_fp8():
         PretrainTask.check_config(cfg)
 
 
+def test_grouped_mm_auto_follows_the_accelerator_and_fp8(cpu):
+    """``auto``: grouped where the accelerator reports ``grouped_mm`` (CUDA sm90+), the loop elsewhere and under FP8
+    (its recipes reach the experts only through the loop's linear layers); true and false are taken as said."""
+    from loong.core.config import compose_config
+    from loong.llm.models.grouped_experts import GroupedMMExperts, uses_grouped_mm
+    from loong.llm.pretrain import PretrainTask
+    from loong.llm.schema import LLMRunConfig
+
+    def model(*overrides: str):
+        cfg, _ = compose_config("loong.llm.configs", "pretrain", ["model=qwen3_30b_a3b_4l", *overrides], LLMRunConfig)
+        PretrainTask.check_config(cfg)
+        return cfg.model
+
+    auto, fp8 = model(), model("precision.fp8=tensorwise")
+    assert auto.moe_grouped_mm == "auto" and fp8.moe_grouped_mm is False
+    assert uses_grouped_mm(auto, {"grouped_mm"}) and not uses_grouped_mm(auto, set())
+    assert not uses_grouped_mm(fp8, {"grouped_mm"})
+    assert uses_grouped_mm(model("model.moe_grouped_mm=true"), set())
+    assert not uses_grouped_mm(model("model.moe_grouped_mm=false"), {"grouped_mm"})
+    assert not uses_grouped_mm(model("model=llama3_2_1b"), {"grouped_mm"})  # dense: nothing to group
+    # the built model follows the same answer; the CPU plugin does not report grouped_mm (the loop)
+    acc, layout = cpu
+    assert "grouped_mm" not in acc.capabilities()
+    tiny = family_for_hf_config(tiny_qwen3_moe_config().to_dict()).config_from_hf(tiny_qwen3_moe_config().to_dict())
+    tc = transformer_config(tiny, ParallelConfig(), torch.float32, {"use_cpu_initialization": True})
+    for caps, grouped in (({"grouped_mm"}, True), (acc.capabilities(), False)):
+        gpt = build_gpt_model(tiny, tc, caps, True, True, layout.pg_collection)
+        assert any(isinstance(m, GroupedMMExperts) for m in gpt.modules()) == grouped
+
+
 @torch.no_grad()
 def test_loong_to_hf_export_loads_in_transformers(cpu, tmp_path):
     _, folder = _hf_model(tmp_path)

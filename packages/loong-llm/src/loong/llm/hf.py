@@ -17,7 +17,7 @@ import torch.distributed as dist
 from loong.core.errors import LoongError
 from loong.core.state import gather_full_state, load_full_state
 from loong.llm.hf_io import read_hf_folder, write_hf_folder
-from loong.llm.models.config import DenseModelConfig
+from loong.llm.models.config import TRAINING_FIELDS, DenseModelConfig
 from loong.llm.models.hf_mapping import family_by_name, family_for_hf_config, hf_to_native, native_to_hf
 
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
@@ -44,14 +44,8 @@ def model_config_from_hf(path: str | Path, keep: DenseModelConfig | None = None)
         # transformers' DeepseekV3ForCausalLM writes num_nextn_predict_layers but not the MTP weights: the
         # model then has no MTP modules (rather than randomly initialised ones mixed into pretrained weights)
         cfg.mtp_num_layers = 0
-    if keep is not None:
-        cfg.init_from_hf = keep.init_from_hf
-        cfg.init_std = keep.init_std
-        cfg.fused_kernels = keep.fused_kernels
-        cfg.lora = keep.lora
-        # training knobs config.json does not hold (DeepSeek: MTP loss weight, bias update rate, DSA stage)
-        for name in ("moe_token_dispatcher", "moe_router_bias_update_rate", "mtp_loss_scaling_factor", "dsa_stage",
-                     "indexer_loss_coeff"):
+    if keep is not None:  # the run's own choices (recompute, kernels, DSA stage, ...) over the folder's defaults
+        for name in TRAINING_FIELDS:
             setattr(cfg, name, getattr(keep, name))
     return cfg
 

@@ -48,7 +48,9 @@ class PretrainTask(Task):
             raise LoongError(f"data.path: {cfg.data.path} does not exist")
         from loong.llm.lora import check_lora_config
 
-        if m.is_moe and m.moe_grouped_mm and cfg.precision.fp8 != "off":
+        if m.moe_grouped_mm == "auto" and cfg.precision.fp8 != "off":
+            m.moe_grouped_mm = False  # FP8 recipes reach the experts only through the loop's linear layers
+        if m.is_moe and m.moe_grouped_mm is True and cfg.precision.fp8 != "off":
             raise LoongError(f"model.moe_grouped_mm=true multiplies the experts' weights outside their linear layers, "
                              f"so precision.fp8={cfg.precision.fp8} would not reach them; set model.moe_grouped_mm="
                              "false or precision.fp8=off")

@@ -17,6 +17,7 @@ TRANSFORMER_ENGINE = "transformer_engine"
 FLASH_ATTN = "flash_attn"
 FP8 = "fp8"
 OPTIMIZER_OFFLOAD = "optimizer_offload"
+GROUPED_MM = "grouped_mm"
 
 #: name -> what reporting it promises. Reporting a name is a promise that the path works on this
 #: hardware, not merely that a package imports.
@@ -28,6 +29,8 @@ CAPABILITIES: dict[str, str] = {
     FP8: "hardware FP8 (e4m3/e5m2) matrix products, so FP8 recipes can run; absent: bf16 only",
     OPTIMIZER_OFFLOAD: "megatron-core's HybridDeviceOptimizer runs (CUDA streams and pinned host memory), so "
                        "train.optimizer_cpu_offload can keep the optimizer state in host memory",
+    GROUPED_MM: "torch._grouped_mm has fast bf16 kernels on the device (CUDA sm90+), so MoE experts run as grouped "
+                "matrix products by default (model.moe_grouped_mm=auto)",
 }
 
 

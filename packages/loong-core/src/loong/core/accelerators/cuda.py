@@ -84,4 +84,6 @@ class CUDAAccelerator(Accelerator):
             caps.add("flash_attn")
         if torch.cuda.get_device_capability() >= (8, 9):
             caps.add("fp8")
+        if torch.cuda.get_device_capability() >= (9, 0):  # torch's grouped GEMM kernels (CUTLASS) need Hopper
+            caps.add("grouped_mm")
         return caps

@@ -34,7 +34,7 @@ from loong.llm.models.attention import FusedRoPESelfAttention, SDPAttention
 from loong.llm.models.config import DenseModelConfig
 from loong.llm.models.fused import FusedKernels, FusedRMSNorm, FusedSwiGLU, resolve_fused_kernels
 from loong.llm.models.gpt import LoongGPTModel
-from loong.llm.models.grouped_experts import with_grouped_mm_experts
+from loong.llm.models.grouped_experts import uses_grouped_mm, with_grouped_mm_experts
 from loong.llm.models.norm import SPRMSNorm
 
 
@@ -175,7 +175,7 @@ def layer_spec(model: DenseModelConfig, capabilities: set[str], fused: FusedKern
     if fused.rope:
         attn.module = FusedRoPESelfAttention
         attn.params = {**attn.params, "rope_backend": fused.backend}
-    if model.is_moe and model.moe_grouped_mm:
+    if uses_grouped_mm(model, capabilities):
         layer.mlp = with_grouped_mm_experts(layer.mlp)
     return spec
 

@@ -64,7 +64,8 @@ class DenseModelConfig:
     gradient through megatron's ``MoEAuxLossAutoScaler``, logged as ``moe_aux_loss``),
     ``moe_token_dispatcher`` is megatron's token dispatcher (``alltoall`` or ``allgather``; both run on gloo).
     ``moe_grouped_mm`` runs a rank's experts as two ``torch._grouped_mm`` calls instead of megatron's loop over
-    ``SequentialMLP`` experts (same parameters and checkpoints; ``models/grouped_experts.py``).
+    ``SequentialMLP`` experts (same parameters and checkpoints; ``models/grouped_experts.py``): ``auto`` where the
+    accelerator reports ``grouped_mm`` (CUDA sm90+) and FP8 is off, ``true`` always, ``false`` never.
 
     DeepSeek-V3 (``family=deepseek_v3``, ``deepseek_v32``; see docs/moe.md): multi-latent attention when
     ``kv_lora_rank`` is set (``q_lora_rank`` None = a direct query projection; ``qk_nope_head_dim`` +
@@ -112,7 +113,7 @@ class DenseModelConfig:
     norm_topk_prob: bool = True
     moe_aux_loss_coeff: float = 0.001
     moe_token_dispatcher: Literal["alltoall", "allgather"] = "alltoall"
-    moe_grouped_mm: bool = False
+    moe_grouped_mm: bool | Literal["auto"] = "auto"
     q_lora_rank: int | None = None
     kv_lora_rank: int | None = None
     qk_nope_head_dim: int = 128
@@ -235,6 +236,15 @@ class DenseModelConfig:
                 raise LoongError(f"{path}.dsa_head_chunks={self.dsa_head_chunks}: must be >= 1 and divide "
                                  f"num_attention_heads={self.num_attention_heads}")
 
+
+#: Fields a Hugging Face config.json does not hold: how to build, initialise and train the model, not its
+#: architecture. ``model.init_from_hf`` takes every other field from the folder and these from the run's config
+#: (:func:`loong.llm.hf.model_config_from_hf`); a test checks that every field is one or the other.
+TRAINING_FIELDS: tuple[str, ...] = (
+    "init_from_hf", "init_std", "fused_kernels", "recompute", "recompute_num_layers", "moe_token_dispatcher",
+    "moe_grouped_mm", "moe_router_bias_update_rate", "mtp_loss_scaling_factor", "dsa_stage", "indexer_loss_coeff",
+    "dsa_head_chunks", "lora",
+)
 
 def training_flops_per_token(model: DenseModelConfig, seq_length: int) -> float:
     """Training FLOPs per token: 6·N (N without the input embedding; for MoE the parameters a token

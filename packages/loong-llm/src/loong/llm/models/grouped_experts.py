@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 from functools import partial
+from typing import Any
 
 import torch
 from megatron.core.transformer.moe.experts import SequentialMLP
@@ -59,6 +60,15 @@ class GroupedMMExperts(SequentialMLP):
         w2 = torch.stack([e.linear_fc2.weight for e in self.local_experts])  # [E, h, ffn]
         hidden = self._activation(torch._grouped_mm(x, w1.transpose(1, 2), offs=ends), probs)
         return torch._grouped_mm(hidden, w2.transpose(1, 2), offs=ends), None
+
+
+def uses_grouped_mm(model: Any, capabilities: set[str]) -> bool:
+    """Whether ``model.moe_grouped_mm`` (``auto`` | true | false) puts :class:`GroupedMMExperts` in an MoE model on
+    an accelerator with ``capabilities``: ``auto`` where it reports ``grouped_mm``. The training task turns ``auto``
+    into false under FP8 (whose recipes reach the experts only through their linear layers)."""
+    if not model.is_moe:
+        return False
+    return model.moe_grouped_mm is True or (model.moe_grouped_mm == "auto" and "grouped_mm" in capabilities)
 
 
 def with_grouped_mm_experts(moe_layer: partial) -> partial:

@@ -36,7 +36,7 @@ from megatron.core.utils import get_pg_rank
 from loong.llm.models.attention import SDPAttention
 from loong.llm.models.config import DenseModelConfig
 from loong.llm.models.fused import FusedKernels, FusedRMSNorm, FusedSwiGLU
-from loong.llm.models.grouped_experts import with_grouped_mm_experts
+from loong.llm.models.grouped_experts import uses_grouped_mm, with_grouped_mm_experts
 from loong.llm.models.norm import SPRMSNorm
 
 
@@ -168,7 +168,7 @@ def mla_layer_spec(model: DenseModelConfig, capabilities: set[str], fused: Fused
         attn.submodules.q_layernorm = attn.submodules.kv_layernorm = norm
     if fused.swiglu:
         layer.mlp = _swiglu_mlp(layer.mlp, partial(FusedSwiGLU, backend=fused.backend))
-    if moe and model.moe_grouped_mm:
+    if moe and uses_grouped_mm(model, capabilities):
         layer.mlp = with_grouped_mm_experts(layer.mlp)
     return spec
 
