@@ -416,7 +416,7 @@ def _rel_f(a: float, b: float) -> float:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", ["ep2", "tp2ep2", "tp2etp1"])
+@pytest.mark.parametrize("layout", ["ep2", "tp2ep2", "tp2etp1", "cp2"])
 def test_layout_loss_and_gradients_match_single_rank(layouts: dict, layout: str) -> None:
     assert layout not in layouts["errors"], layouts["errors"][layout]
     assert _rel_f(layouts["loss"][layout], layouts["loss"]["ref"]) <= 1e-5

@@ -2,7 +2,7 @@
 random model, YaRN, 1 dense + 2 MoE layers) with ``index_topk`` below the sequence length (sparse) and above it
 (dense-equivalent); the absorbed (MQA-form) attention equals HF's MHA form; the indexer loss in both stages against
 a plain-PyTorch transcription of the paper's formula (value and indexer gradient); the HF mapping and an export
-transformers loads; the config translation; the presets; and TP=2 (sequence parallel) reproducing one rank's loss
+transformers loads; the config translation; the presets; and TP=2 (sequence parallel) and CP=2 reproducing one rank's loss
 and gradients (one 2-process gloo launch, ``workers/deepseek_v32_layouts.py``)."""
 
 from __future__ import annotations
@@ -447,12 +447,13 @@ def layouts(tmp_path_factory, run_workers) -> dict:  # noqa: ANN001
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("layout", ["tp2", "cp2"])
 @pytest.mark.parametrize("stage", ["sparse", "warmup"])
-def test_tp2_reproduces_single_rank_loss_and_gradients(layouts: dict, stage: str) -> None:
+def test_layout_reproduces_single_rank_loss_and_gradients(layouts: dict, stage: str, layout: str) -> None:
     loss = layouts["loss"]
-    assert abs(loss[f"{stage}_tp2"] - loss[f"{stage}_ref"]) / loss[f"{stage}_ref"] <= 1e-5
-    assert layouts["grad_keys_equal"][stage]
-    assert layouts["grad_err"][stage] <= 1e-5, layouts["grad_worst"][stage]
+    assert abs(loss[f"{stage}_{layout}"] - loss[f"{stage}_ref"]) / loss[f"{stage}_ref"] <= 1e-5
+    assert layouts["grad_keys_equal"][f"{stage}_{layout}"]
+    assert layouts["grad_err"][f"{stage}_{layout}"] <= 1e-5, layouts["grad_worst"][f"{stage}_{layout}"]
     assert layouts["indexer_grad_nonzero"][stage]
     # the dense warm-up trains only the indexers; the sparse stage everything
     trainable = layouts[f"{stage}_trainable"]
@@ -460,8 +461,9 @@ def test_tp2_reproduces_single_rank_loss_and_gradients(layouts: dict, stage: str
 
 
 @pytest.mark.slow
-def test_tp2_training_tracks_single_rank_and_logs_indexer_loss(layouts: dict) -> None:
-    ref, got = layouts["train"]["ref"], layouts["train"]["tp2"]
+@pytest.mark.parametrize("layout", ["tp2", "cp2"])
+def test_layout_training_tracks_single_rank_and_logs_indexer_loss(layouts: dict, layout: str) -> None:
+    ref, got = layouts["train"]["ref"], layouts["train"][layout]
     assert max(abs(a - b) / b for a, b in zip(got, ref, strict=True)) <= 1e-4
-    iref, igot = layouts["indexer_loss"]["ref"], layouts["indexer_loss"]["tp2"]
+    iref, igot = layouts["indexer_loss"]["ref"], layouts["indexer_loss"][layout]
     assert min(iref) > 0 and max(abs(a - b) / b for a, b in zip(igot, iref, strict=True)) <= 1e-4

@@ -2,7 +2,8 @@
 
 One 2-process gloo launch: the same HF-initialised tiny DeepSeek-V3 (MLA, 1 dense + 2 MoE layers with a shared
 expert, sigmoid group-limited routing with expert bias, one MTP module) gives, at TP=1 (DP=2; the single-rank
-reference, data-parallel), EP=2, TP=2 × EP=2 (ETP=1, sequence parallel) and TP=2 with ETP=1, the loss and every
+reference, data-parallel), EP=2, TP=2 × EP=2 (ETP=1, sequence parallel), TP=2 with ETP=1 and CP=2 (context
+parallelism: MLA's queries against all-gathered keys, MTP's labels rolled across the CP ranks), the loss and every
 gradient of one step (the MTP and sequence-balance losses' gradients included); then 3 training steps at TP=1 and
 TP=2 × EP=2 with ``train.save_hf`` (the expert bias moves by megatron's aux-loss-free update), logging ``mtp_loss``.
 Rank 0 writes JSON; the pytest side (``test_deepseek_v3.py``) compares. Helpers come from ``layouts.py``.
@@ -33,6 +34,7 @@ LAYOUTS = {
     "ep2": ["parallel.ep=2"],
     "tp2ep2": ["parallel.tp=2", "parallel.ep=2", "parallel.etp=1"],
     "tp2etp1": ["parallel.tp=2", "parallel.etp=1"],
+    "cp2": ["parallel.cp=2"],
 }
 
 

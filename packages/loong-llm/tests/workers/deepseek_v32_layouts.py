@@ -2,7 +2,8 @@
 
 One 2-process gloo launch: the same HF-initialised tiny DeepSeek-V3.2 (sparse attention with ``index_topk`` below
 the sequence length, the lightning indexer's KL loss in the gradient) gives, at TP=1 (DP=2, the single-rank
-reference) and TP=2 (sequence parallel, heads split, indexer replicated), the loss and every gradient of one step
+reference), TP=2 (sequence parallel, heads split, indexer replicated) and CP=2 (context parallel: each rank's two
+zigzag chunks of queries select among and attend to the all-gathered keys), the loss and every gradient of one step
 (the indexers' included) in both ``dsa_stage``s; then 2 training steps of each layout log ``indexer_loss``.
 Rank 0 writes JSON; ``test_deepseek_v32.py`` compares. Helpers come from ``layouts.py``.
 """
@@ -27,7 +28,7 @@ from loong.core.state import gather_full_state  # noqa: E402
 from loong.core.trainer import Trainer  # noqa: E402
 
 STEPS = 2
-LAYOUTS = {"ref": ["parallel.tp=1"], "tp2": ["parallel.tp=2"]}
+LAYOUTS = {"ref": ["parallel.tp=1"], "tp2": ["parallel.tp=2"], "cp2": ["parallel.cp=2"]}
 STAGES = {"sparse": ["model.dsa_stage=sparse"], "warmup": ["model.dsa_stage=dense_warmup"]}
 
 
@@ -82,11 +83,13 @@ def main() -> None:
                 _clear()
                 got[name] = one_step_grads(hf_dir, layout + stage_overrides, acc)
                 result["loss"][f"{stage}_{name}"] = got[name]["loss"]
-            ref, tp2 = got["ref"]["grads"], got["tp2"]["grads"]
-            result["grad_keys_equal"][stage] = sorted(ref) == sorted(tp2)
-            errs = {k: float((tp2[k] - g).abs().max() / g.abs().max().clamp(min=1e-12)) for k, g in ref.items()}
-            worst = max(errs, key=errs.get)
-            result["grad_err"][stage], result["grad_worst"][stage] = errs[worst], worst
+            ref = got["ref"]["grads"]
+            for name in [n for n in LAYOUTS if n != "ref"]:
+                grads = got[name]["grads"]
+                result["grad_keys_equal"][f"{stage}_{name}"] = sorted(ref) == sorted(grads)
+                errs = {k: float((grads[k] - g).abs().max() / g.abs().max().clamp(min=1e-12)) for k, g in ref.items()}
+                worst = max(errs, key=errs.get)
+                result["grad_err"][f"{stage}_{name}"], result["grad_worst"][f"{stage}_{name}"] = errs[worst], worst
             result["indexer_grad_nonzero"][stage] = bool(
                 ref["decoder.layers.1.self_attention.indexer.wq_b.weight"].abs().sum() > 0)
             # the dense warm-up trains nothing but the indexers

@@ -61,16 +61,10 @@ class PretrainTask(Task):
 
     @staticmethod
     def _check_context_parallel(cfg: Any) -> None:
-        p, m, seq = cfg.parallel, cfg.model, cfg.train.seq_length
+        p, seq = cfg.parallel, cfg.train.seq_length
         if seq % (2 * p.cp):
             raise LoongError(f"parallel.cp={p.cp}: train.seq_length={seq} must divide by 2 * cp = {2 * p.cp} "
                              "(each CP rank holds two of 2 * cp equal chunks)")
-        unsupported = [why for why, on in (("multi-latent attention (DeepSeek)", m.is_mla),
-                                           ("multi-token prediction (model.mtp_num_layers)", m.mtp_num_layers > 0))
-                       if on]
-        if unsupported:
-            raise LoongError(f"parallel.cp={p.cp}: context parallelism is not implemented for "
-                             f"{' or '.join(unsupported)}; set parallel.cp=1")
 
     # --- model -----------------------------------------------------------------------------
     def model_config(self, dtype: torch.dtype) -> Any:

@@ -42,16 +42,17 @@ def indexer_topk(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, topk: 
 
     Args:
         q: indexer queries ``[B, S, H_I, D_I]`` (after RoPE), fp32/bf16/fp16.
-        k: the shared indexer key per token ``[B, S, D_I]``, same dtype as ``q``.
+        k: the shared indexer key per token ``[B, S_k, D_I]``, same dtype as ``q``; ``S_k >= S``: the queries are
+            the last ``S`` positions (bottom-right causal alignment, for a context-parallel chunk of queries).
         weights: per-head weights ``[B, S, H_I]`` (any float dtype; used as given, see
             :func:`indexer_scores_reference` for the scaling convention).
         topk: keys to keep per query (2048 in V3.2).
         scale: the factor inside the ReLU, default ``D_I ** -0.5`` (transformers' ``softmax_scale``).
-        causal: only keys ``s <= t`` are eligible.
+        causal: only keys ``s <= S_k - S + t`` are eligible.
         backend: ``"auto"``, ``"triton"`` or ``"reference"``.
 
     Returns:
-        ``[B, S, topk]`` int32 key positions, best first; slots with no eligible key (``t + 1 < topk``
+        ``[B, S, topk]`` int32 key positions, best first; slots with no eligible key (fewer than ``topk`` keys
         under the causal mask) hold ``-1`` at the end of the row. The selected *set* equals the reference's
         up to ties between equal scores.
     """

@@ -42,7 +42,7 @@ INDEXER_CONFIG: dict[str, int] = {"BLOCK_N": 128, "num_warps": 8, "per_sm": 4}
 @kernel
 def _indexer_topk_kernel(Q, K, W, OUT, SCRATCH,
                          sq_b, sq_s, sq_h, sk_b, sk_s, sw_b, sw_s, sw_h, so_b, so_s,
-                         n_rows, seq, n_heads, d, topk, scale, n_prog,
+                         n_rows, seq, seq_k, n_heads, d, topk, scale, n_prog,
                          BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
                          KP: tl.constexpr, CAUSAL: tl.constexpr, PRECISION: tl.constexpr,
                          UPCAST: tl.constexpr):
@@ -64,10 +64,10 @@ def _indexer_topk_kernel(Q, K, W, OUT, SCRATCH,
         if UPCAST:  # the interpreter multiplies bf16 dot operands as raw uint16 bits
             q = q.to(tl.float32)
         w = tl.load(W + bat * sw_b + tok.to(tl.int64) * sw_s + heads.to(tl.int64) * sw_h, mask=hmask, other=0.0).to(tl.float32)
-        if CAUSAL:
-            n_keys = tok + 1
+        if CAUSAL:  # the queries are the last seq of seq_k positions
+            n_keys = tok + 1 + (seq_k - seq)
         else:
-            n_keys = seq
+            n_keys = seq_k
         best = sentinel
         for c0 in range(0, n_keys, KP):
             for j in range(0, KP, BLOCK_N):
@@ -130,7 +130,7 @@ def why_not(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, topk: int) 
         return f"topk={topk} is over the kernel's limit ({_MAX_TOPK})"
     if q.shape[2] > _MAX_HEADS or q.shape[3] > _MAX_DIM:
         return f"H_I={q.shape[2]}, D_I={q.shape[3]} is over the kernel's limit ({_MAX_HEADS} heads of {_MAX_DIM})"
-    if q.shape[1] >= 2**31:
+    if k.shape[1] >= 2**31:
         return "sequence too long for 32-bit key positions"
     return None
 
@@ -158,7 +158,7 @@ def indexer_topk_triton(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor,
             q, k, weights, out, scratch,
             q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1),
             weights.stride(0), weights.stride(1), weights.stride(2), out.stride(0), out.stride(1),
-            rows, s, h, d, topk, scale, n_prog,
+            rows, s, k.shape[1], h, d, topk, scale, n_prog,
             BLOCK_H=max(16, next_pow2(h)), BLOCK_D=max(16, next_pow2(d)), BLOCK_N=block_n, KP=kp,
             CAUSAL=bool(causal), PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
             UPCAST=q.dtype == torch.bfloat16 and interpreting(), **cfg)

@@ -12,12 +12,12 @@ import torch
 
 def _check_indexer(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor) -> None:
     if q.dim() != 4 or k.dim() != 3 or weights.dim() != 3:
-        raise ValueError(f"indexer: expected q [B, S, H_I, D_I], k [B, S, D_I], weights [B, S, H_I]; got q "
+        raise ValueError(f"indexer: expected q [B, S, H_I, D_I], k [B, S_k, D_I], weights [B, S, H_I]; got q "
                          f"{tuple(q.shape)}, k {tuple(k.shape)}, weights {tuple(weights.shape)}")
     b, s, h, d = q.shape
-    if tuple(k.shape) != (b, s, d) or tuple(weights.shape) != (b, s, h):
-        raise ValueError(f"indexer: expected k {(b, s, d)} and weights {(b, s, h)} for q {tuple(q.shape)}; got "
-                         f"k {tuple(k.shape)}, weights {tuple(weights.shape)}")
+    if k.shape[0] != b or k.shape[2] != d or k.shape[1] < s or tuple(weights.shape) != (b, s, h):
+        raise ValueError(f"indexer: expected k [{b}, S_k >= {s}, {d}] and weights {(b, s, h)} for q "
+                         f"{tuple(q.shape)}; got k {tuple(k.shape)}, weights {tuple(weights.shape)}")
 
 
 def indexer_scores_reference(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, *,
@@ -30,17 +30,18 @@ def indexer_scores_reference(q: torch.Tensor, k: torch.Tensor, weights: torch.Te
 
     Args:
         q: indexer queries ``[B, S, H_I, D_I]`` (after RoPE), any float dtype.
-        k: the one shared indexer key per token ``[B, S, D_I]``.
+        k: the one shared indexer key per token ``[B, S_k, D_I]``, ``S_k >= S``: the queries are the sequence's
+            last ``S`` positions (``S_k - S + t`` for query ``t``; context parallelism passes a chunk's queries).
         weights: per-head weights ``[B, S, H_I]``.
         scale: the factor inside the ReLU (default ``D_I ** -0.5``).
-        causal: mask keys after the query (``s > t``).
+        causal: mask keys after the query (``s > S_k - S + t``).
 
     Returns:
-        ``[B, S, S]`` float32 scores, ``-inf`` where masked. Differentiable w.r.t. ``q``, ``k`` and
+        ``[B, S, S_k]`` float32 scores, ``-inf`` where masked. Differentiable w.r.t. ``q``, ``k`` and
         ``weights`` (the indexer's training loss goes through it); memory is ``O(S^2)``, one head at a time.
     """
     _check_indexer(q, k, weights)
-    s_len, n_heads, d = q.shape[1], q.shape[2], q.shape[3]
+    s_len, n_heads, d, s_k = q.shape[1], q.shape[2], q.shape[3], k.shape[1]
     scale = d ** -0.5 if scale is None else float(scale)
     qf, kf, wf = q.float(), k.float(), weights.float()
     kt = kf.transpose(1, 2)
@@ -50,9 +51,9 @@ def indexer_scores_reference(q: torch.Tensor, k: torch.Tensor, weights: torch.Te
         term = torch.relu(torch.matmul(qf[:, :, j], kt) * scale) * wf[:, :, j, None]
         scores = term if scores is None else scores + term
     if scores is None:
-        scores = qf.new_zeros(q.shape[0], s_len, s_len)
+        scores = qf.new_zeros(q.shape[0], s_len, s_k)
     if causal:
-        future = torch.ones(s_len, s_len, dtype=torch.bool, device=q.device).triu_(1)
+        future = torch.ones(s_len, s_k, dtype=torch.bool, device=q.device).triu_(1 + s_k - s_len)
         scores = scores.masked_fill(future, float("-inf"))
     return scores
 

@@ -16,8 +16,13 @@ With ``fused_kernels.cross_entropy`` the training / evaluation loss skips the ``
 output layer's GEMM and the cross-entropy run chunked in loong-kernels (:func:`~loong.llm.models.fused.fused_lm_loss`),
 returning the same fp32 per-token losses ``[b, s]``. With multi-token prediction each MTP
 layer's loss is fused the same way (megatron's ``process_mtp_loss`` would compute its logits). Everything else
-(logits without labels, inference, packed or context-parallel sequences with MTP, a LoRA-wrapped or
-sequence-parallel output layer, MuP scaling) takes megatron's path.
+(logits without labels, inference, packed sequences with MTP, a LoRA-wrapped or sequence-parallel output layer,
+MuP scaling) takes megatron's path.
+
+Multi-token prediction under context parallelism always takes this module's MTP loss (fused or not): megatron's
+``process_mtp_loss`` divides each CP rank's MTP loss by that rank's own token count, which differs between ranks
+(the roll masks the sequence's last token on one of them), so its CP gradients are not one rank's. Here the count
+is the whole sequences' (summed over the CP group), as the main loss's is.
 """
 
 from __future__ import annotations
@@ -114,21 +119,45 @@ class LoongGPTModel(GPTModel):
                 and self.config.tensor_model_parallel_size == 1 and not InferenceMode.is_active())
 
     def _fused_mtp_applies(self, kw: dict) -> bool:
-        """Multi-token prediction in this chunk, on whole sequences without context parallelism (the case
-        :meth:`_fused_mtp_loss` handles; packed or CP-split sequences roll their labels differently)."""
+        """Multi-token prediction in this chunk, on unpacked sequences (the case :meth:`_mtp_loss` handles;
+        packed sequences roll their labels per document)."""
+        return bool(kw.get("mtp_in_postprocess")) and kw.get("packed_seq_params") is None
+
+    def _cp_size(self) -> int:
         cp = self.pg_collection.cp
-        return (bool(kw.get("mtp_in_postprocess")) and kw.get("packed_seq_params") is None
-                and (cp is None or cp.size() == 1))
+        return 1 if cp is None else cp.size()
+
+    def _cp_mtp_applies(self, labels: torch.Tensor | None, kw: dict) -> bool:
+        """MTP losses of a training / evaluation forward under context parallelism without the fused loss: taken by
+        :meth:`_mtp_loss` for the whole sequences' token count (see the module docstring)."""
+        return (self._cp_size() > 1 and bool(self.config.mtp_num_layers) and self.post_process
+                and labels is not None and self._fused_mtp_applies(kw) and kw.get("output_processor") is None
+                and kw.get("inference_context") is None and kw.get("inference_params") is None
+                and not self.config.use_mup and not InferenceMode.is_active())
 
     def _output_weight(self) -> torch.Tensor:
         return self.shared_embedding_or_output_weight() if self.share_embeddings_and_output_weights \
             else self.output_layer.weight
 
-    def _fused_mtp_loss(self, hidden_states: torch.Tensor, input_ids: torch.Tensor, position_ids: torch.Tensor,
-                        labels: torch.Tensor, kw: dict) -> torch.Tensor:
-        """megatron-core's MTP block, then its ``process_mtp_loss`` with the fused loss in place of each MTP
-        layer's ``[s, b, V]`` logits: the same rolled labels and loss mask, the same
-        ``MTPLossAutoScaler`` terms and the same logged loss. Returns the main model's hidden states.
+    def _token_losses(self, hidden: torch.Tensor, labels: torch.Tensor, fused: bool, kw: dict,
+                      detach_weight: bool = False) -> torch.Tensor:
+        """Per-token losses ``[b, s]``: loong-kernels' fused linear + cross-entropy, or megatron's output layer and
+        ``compute_language_model_loss`` (``detach_weight``: megatron's ``mtp_detach_heads``)."""
+        weight = self._output_weight()
+        if detach_weight:
+            weight = weight.detach()
+        if fused:
+            return fused_lm_loss(hidden, weight, labels, self.fused_kernels.backend)
+        logits, _ = self.output_layer(hidden, weight=weight, runtime_gather_output=kw.get("runtime_gather_output"))
+        return self.compute_language_model_loss(labels, self._scale_logits(logits))
+
+    def _mtp_loss(self, hidden_states: torch.Tensor, input_ids: torch.Tensor, position_ids: torch.Tensor,
+                  labels: torch.Tensor, kw: dict, fused: bool) -> torch.Tensor:
+        """megatron-core's MTP block, then its ``process_mtp_loss`` with each MTP layer's loss from
+        :meth:`_token_losses` (``fused``: without the ``[s, b, V]`` logits): the same rolled labels and loss mask,
+        the same ``MTPLossAutoScaler`` terms and the same logged loss, except that under context parallelism the
+        token count is the whole sequences' and the term is scaled by the CP size (megatron's DDP averages gradients
+        over DP x CP), as the main loss is. Returns the main model's hidden states.
 
         The acceptance counts megatron also logs need the logits this path avoids; they are recorded as 0 of 0
         (Loong logs ``mtp_loss`` only).
@@ -150,36 +179,46 @@ class LoongGPTModel(GPTModel):
         )
         chunks = torch.chunk(hidden_states, 1 + cfg.mtp_num_layers, dim=0)
         main = chunks[0]
-        weight = self._output_weight()
-        if cfg.mtp_detach_heads:
-            weight = weight.detach()
         mtp_labels = labels.clone()
         loss_mask = kw.get("loss_mask")
         if loss_mask is None:
             loss_mask = torch.ones_like(mtp_labels)
-        original_num_tokens = loss_mask.sum()
         cp = self.pg_collection.cp
+        cp_size = self._cp_size()
+        original_num_tokens = self._cp_sum(loss_mask.sum())
         zero = torch.zeros((), device=main.device)
         for layer in range(cfg.mtp_num_layers):
             mtp_labels, _ = roll_tensor(mtp_labels, shifts=-1, dims=-1, cp_group=cp)
             loss_mask, num_tokens = roll_tensor(loss_mask, shifts=-1, dims=-1, cp_group=cp)
-            mtp_loss = loss_mask * fused_lm_loss(chunks[layer + 1], weight, mtp_labels, self.fused_kernels.backend)
+            num_tokens = self._cp_sum(num_tokens)
+            mtp_loss = loss_mask * self._token_losses(chunks[layer + 1], mtp_labels, fused, kw, cfg.mtp_detach_heads)
             safe = num_tokens.clamp(min=1)
-            if self.training:
-                logged = mtp_loss.sum() * (num_tokens > 0).to(mtp_loss.dtype) / safe
+            if self.training:  # averaged over DP x CP by the helper: the CP ranks' shares sum to the mean
+                logged = mtp_loss.sum() * (num_tokens > 0).to(mtp_loss.dtype) * cp_size / safe
                 MTPLossLoggingHelper.save_metrics_to_tracker(
                     logged, zero, zero, layer, cfg.mtp_num_layers, avg_group=getattr(self.pg_collection, "dp_cp", None))
             scale = cfg.mtp_loss_scaling_factor / cfg.mtp_num_layers
             if cfg.calculate_per_token_loss:  # finalize_model_grads divides by the main loss's token count
                 main = MTPLossAutoScaler.apply(main, scale * mtp_loss * (original_num_tokens / safe))
             else:
-                main = MTPLossAutoScaler.apply(main, scale * mtp_loss / safe)
+                main = MTPLossAutoScaler.apply(main, scale * mtp_loss * cp_size / safe)
         return main
+
+    def _cp_sum(self, count: torch.Tensor) -> torch.Tensor:
+        """``count`` summed over the CP group (a new tensor; unchanged without context parallelism)."""
+        if self._cp_size() == 1:
+            return count
+        import torch.distributed as dist
+
+        count = count.detach().clone()
+        dist.all_reduce(count, group=self.pg_collection.cp)
+        return count
 
     def _postprocess(self, hidden_states: torch.Tensor, input_ids: torch.Tensor, position_ids: torch.Tensor,
                      labels: torch.Tensor | None, *args: Any, **kwargs: Any) -> torch.Tensor:
-        if args or not self._fused_loss_applies(labels, kwargs):
+        fused = not args and self._fused_loss_applies(labels, kwargs)
+        if not (fused or (not args and self._cp_mtp_applies(labels, kwargs))):
             return super()._postprocess(hidden_states, input_ids, position_ids, labels, *args, **kwargs)
         if self.config.mtp_num_layers:
-            hidden_states = self._fused_mtp_loss(hidden_states, input_ids, position_ids, labels, kwargs)
-        return fused_lm_loss(hidden_states, self._output_weight(), labels, self.fused_kernels.backend)
+            hidden_states = self._mtp_loss(hidden_states, input_ids, position_ids, labels, kwargs, fused)
+        return self._token_losses(hidden_states, labels, fused, kwargs)

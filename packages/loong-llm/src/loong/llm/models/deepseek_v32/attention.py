@@ -19,7 +19,13 @@ Tensor parallelism (sequence parallelism is on for MLA at TP > 1): each rank has
 sequence of queries; the latent ``c_kv`` is gathered over the sequence (backward: reduce-scatter, so every rank's
 heads' gradient is summed); the indexer is replicated and computed on the whole (gathered) sequence on every rank,
 and its target sums the heads over TP (an all-reduce), so every rank computes the same loss and gradients.
-Not supported (a clear error): packed sequences, an explicit attention mask, inference caches, context parallelism.
+Context parallelism (``parallel.cp``, megatron's zigzag split: each rank holds two chunks of every sequence): the
+latent rows ``[c_kv, k_pe]`` and the indexer's keys are all-gathered over the CP group into the whole sequence
+(backward: reduce-scatter, so every key's gradient reaches its owner), each local chunk's queries select among the
+keys up to the chunk's end (the indexer top-k with bottom-right causal alignment), and the sparse kernels attend over
+the gathered rows. The indexer loss is each rank's queries' mean, divided by the CP size for the gradient (megatron's
+schedule scales it by CP and its DDP averages over DP x CP), so the gradient is the whole sequences' mean's.
+Not supported (a clear error): packed sequences, an explicit attention mask, inference caches.
 """
 
 from __future__ import annotations
@@ -27,11 +33,13 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from megatron.core.models.common.embeddings import apply_rotary_pos_emb
 from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
 from megatron.core.utils import get_pg_size
 from torch.utils.checkpoint import checkpoint
 
+from loong.core.context_parallel import cp_chunks, gather_sequence
 from loong.core.errors import LoongError
 from loong.llm.models.deepseek_v3.spec import LoongMLASelfAttention
 from loong.llm.models.deepseek_v32.indexer import (
@@ -56,8 +64,6 @@ class DSAMLASelfAttention(LoongMLASelfAttention):
         super().__init__(config, *args, **kwargs)
         if config.q_lora_rank is None:
             raise LoongError("DeepSeek-V3.2's indexer reads the q latent: q_lora_rank must be set")
-        if config.context_parallel_size > 1:
-            raise LoongError("DeepSeek sparse attention does not implement context parallelism (parallel.cp=1)")
         self.index_topk = int(dsa["index_topk"])
         self.dsa_stage = dsa["dsa_stage"]
         self.indexer_loss_coeff = float(dsa["indexer_loss_coeff"])
@@ -68,6 +74,10 @@ class DSAMLASelfAttention(LoongMLASelfAttention):
                              f"{self.num_attention_heads_per_partition} attention heads of each tensor-parallel rank")
         self.indexer = LightningIndexer(config, config.q_lora_rank, int(dsa["index_n_heads"]),
                                         int(dsa["index_head_dim"]), config.qk_pos_emb_head_dim)
+
+    def _cp(self) -> Any:
+        """The context-parallel group, or None without context parallelism."""
+        return self.pg_collection.cp if self.config.context_parallel_size > 1 else None
 
     def _sp(self) -> bool:
         return bool(self.config.sequence_parallel) and get_pg_size(self.tp_group) > 1
@@ -130,10 +140,14 @@ class DSAMLASelfAttention(LoongMLASelfAttention):
         # absorb W_UK into the query; W_UV is applied to the latent output (in _core)
         w_up = self.linear_kv_up_proj.weight.view(heads, nope + cfg.v_head_dim, cfg.kv_lora_rank)
         w_uk, w_uv = torch.split(w_up, [nope, cfg.v_head_dim], dim=1)
-        kv = torch.cat([c_kv, k_pe], dim=-1).transpose(0, 1).contiguous()  # [b, s, c + rope]
-
+        kv = torch.cat([c_kv, k_pe], dim=-1)  # [s, b, c + rope]
         idx_q, idx_k, idx_w = self._indexer_inputs(hidden_states, q_latent, emb, mscale)
-        indices = self._select(idx_q, idx_k, idx_w, b, s)
+        cp = self._cp()
+        if cp is not None:  # every key of the sequence, from the CP group
+            kv = gather_sequence(kv, cp)
+            idx_k = gather_sequence(idx_k.transpose(0, 1), cp).transpose(0, 1)
+        kv = kv.transpose(0, 1).contiguous()  # [b, S, c + rope]
+        indices = self._select(idx_q, idx_k, idx_w, b)
         train_indexer = self.training and torch.is_grad_enabled()
         outs, mass = [], None
         group = heads // self.head_chunks
@@ -157,7 +171,8 @@ class DSAMLASelfAttention(LoongMLASelfAttention):
             target = normalise_target(mass, tp_group=self.tp_group)
             loss = indexer_kl(idx_q, idx_k, idx_w, indices, target)
             record_indexer_loss(loss)
-            output = IndexerLossAutoScaler.apply(output, loss * self.indexer_loss_coeff)
+            cp_size = 1 if cp is None else cp.size()
+            output = IndexerLossAutoScaler.apply(output, loss * (self.indexer_loss_coeff / cp_size))
         return output, bias
 
     def _core(self, q_nope: torch.Tensor, q_pe: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor,
@@ -186,11 +201,26 @@ class DSAMLASelfAttention(LoongMLASelfAttention):
         cos, sin = (emb.cos() * mscale).to(x.dtype), (emb.sin() * mscale).to(x.dtype)
         return self.indexer(x, ql, cos, sin)
 
-    def _select(self, q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, b: int, s: int) -> torch.Tensor:
-        """``[b, s, K]`` int32 key positions: every causal key in the dense warm-up or when ``index_topk >= s``
-        (the same set transformers' top-k selects then), else the indexer's top-k."""
-        if self.dsa_stage == "dense_warmup" or self.index_topk >= s:
-            return dense_causal_indices(b, s, q.device)
+    def _select(self, q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, b: int) -> torch.Tensor:
+        """``[b, s, K]`` int32 positions in ``k [b, S, D]`` (the whole sequence) for this rank's queries ``q [b, s, H,
+        D]``: all of them, or under context parallelism each of its two chunks against the keys up to the chunk's end
+        (the chunks' rows padded with -1 to one width)."""
+        cp = self._cp()
+        if cp is None:
+            return self._select_rows(q, k, w, b)
+        half = q.shape[1] // 2
+        parts = []
+        for part, chunk in enumerate(cp_chunks(cp.size(), cp.rank())):
+            rows = slice(part * half, (part + 1) * half)
+            parts.append(self._select_rows(q[:, rows], k[:, :(chunk + 1) * half], w[:, rows], b))
+        width = max(p.shape[-1] for p in parts)
+        return torch.cat([F.pad(p, (0, width - p.shape[-1]), value=-1) for p in parts], dim=1)
+
+    def _select_rows(self, q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, b: int) -> torch.Tensor:
+        """Queries ``q`` at the last positions of ``k``: every causal key in the dense warm-up or when ``index_topk``
+        reaches the key count (the same set transformers' top-k selects then), else the indexer's top-k."""
+        if self.dsa_stage == "dense_warmup" or self.index_topk >= k.shape[1]:
+            return dense_causal_indices(b, q.shape[1], q.device, n_keys=k.shape[1])
         from loong.kernels.dsa import indexer_topk
 
         return indexer_topk(q, k, w, self.index_topk, causal=True, backend=self.kernel_backend)

@@ -77,10 +77,14 @@ class LightningIndexer(torch.nn.Module):
         return q.transpose(0, 1).contiguous(), k.transpose(0, 1).contiguous(), w.transpose(0, 1).contiguous()
 
 
-def dense_causal_indices(batch: int, seq: int, device: torch.device) -> torch.Tensor:
-    """``[B, S, S]`` int32: row ``t`` lists keys ``0..t`` then ``-1`` (all causal keys, for dense attention)."""
-    pos = torch.arange(seq, device=device, dtype=torch.int32)
-    idx = torch.where(pos[None, :] <= pos[:, None], pos[None, :], torch.full_like(pos, -1)[None, :])
+def dense_causal_indices(batch: int, seq: int, device: torch.device, n_keys: int | None = None) -> torch.Tensor:
+    """``[B, S, n_keys]`` int32 (``n_keys`` defaults to ``S``): query ``t``, at position ``n_keys - S + t`` (the
+    sequence's last ``S`` positions: a context-parallel chunk), lists keys ``0..`` its position, then ``-1`` (every
+    causal key, for dense attention)."""
+    n_keys = seq if n_keys is None else n_keys
+    keys = torch.arange(n_keys, device=device, dtype=torch.int32)
+    pos = torch.arange(n_keys - seq, n_keys, device=device, dtype=torch.int32)
+    idx = torch.where(keys[None, :] <= pos[:, None], keys[None, :], torch.full_like(keys, -1)[None, :])
     return idx.unsqueeze(0).expand(batch, -1, -1).contiguous()
 
 
@@ -244,15 +248,17 @@ def clear_indexer_loss_tracker() -> None:
 def indexer_loss_report(pg_collection: Any, device: torch.device) -> dict[str, float]:
     """``{"indexer_loss": mean over DSA layers, micro-batches and data-parallel ranks}`` for the step, then clears.
 
-    Collective over the pipeline and data-parallel groups (every rank must call it): pipeline stages hold different
-    layers, so their sums and term counts are added; gloo has no AVG, so the mean is taken here.
+    Collective over the pipeline, data- and context-parallel groups (every rank must call it): pipeline stages hold
+    different layers, so their sums and term counts are added; a CP rank's term is its queries' mean, and every CP
+    rank holds as many queries, so the mean over CP ranks is the sequences'; gloo has no AVG, so the mean is taken
+    here.
     """
     stats = torch.zeros(2, dtype=torch.float64, device=device)
     if _TRACKER["sum"] is not None:
         stats[0], stats[1] = float(_TRACKER["sum"]), float(_TRACKER["terms"])
     clear_indexer_loss_tracker()
     if dist.is_initialized():
-        for name in ("pp", "dp"):
+        for name in ("pp", "dp", "cp"):
             group = getattr(pg_collection, name, None)
             if group is not None and dist.get_world_size(group) > 1:
                 dist.all_reduce(stats, group=group)
