@@ -437,6 +437,15 @@ def test_training_tracks_single_rank_and_moves_the_expert_bias(layouts: dict) ->
 
 
 @pytest.mark.slow
+def test_cp2_training_tracks_single_rank_and_logs_the_mtp_loss(layouts: dict) -> None:
+    """CP=2's 3 steps and its logged MTP loss (each CP rank's share of the sequences' mean, averaged over DP x CP)
+    follow one rank's."""
+    ref, got = layouts["train"]["ref"], layouts["train"]["cp2"]
+    assert max(_rel_f(a, b) for a, b in zip(got, ref, strict=True)) <= 1e-4
+    assert _rel_f(layouts["mtp_loss"]["cp2"], layouts["mtp_loss"]["ref"]) <= 1e-4
+
+
+@pytest.mark.slow
 def test_convert_round_trip_with_mtp(layouts: dict, tiny_deepseek_v3_hf: Path, tmp_path) -> None:
     from loong.llm.cli import main
 

@@ -4,8 +4,8 @@ One 2-process gloo launch: the same HF-initialised tiny DeepSeek-V3 (MLA, 1 dens
 expert, sigmoid group-limited routing with expert bias, one MTP module) gives, at TP=1 (DP=2; the single-rank
 reference, data-parallel), EP=2, TP=2 × EP=2 (ETP=1, sequence parallel), TP=2 with ETP=1 and CP=2 (context
 parallelism: MLA's queries against all-gathered keys, MTP's labels rolled across the CP ranks), the loss and every
-gradient of one step (the MTP and sequence-balance losses' gradients included); then 3 training steps at TP=1 and
-TP=2 × EP=2 with ``train.save_hf`` (the expert bias moves by megatron's aux-loss-free update), logging ``mtp_loss``.
+gradient of one step (the MTP and sequence-balance losses' gradients included); then 3 training steps at TP=1,
+TP=2 × EP=2 and CP=2 with ``train.save_hf`` (the expert bias moves by megatron's aux-loss-free update), logging ``mtp_loss``.
 Rank 0 writes JSON; the pytest side (``test_deepseek_v3.py``) compares. Helpers come from ``layouts.py``.
 """
 
@@ -93,7 +93,7 @@ def run(hf_dir: str, out: Path) -> None:
         root = Path(holder[0])
         _, start = read_hf_folder(hf_dir)
         biases = {}
-        for name in ("ref", "tp2ep2"):
+        for name in ("ref", "tp2ep2", "cp2"):
             result["train"][name], result["mtp_loss"][name] = train(hf_dir, name, root / name, acc)
             _, saved = read_hf_folder(root / name / "hf")
             keys = [k for k in saved if k.endswith("e_score_correction_bias")]

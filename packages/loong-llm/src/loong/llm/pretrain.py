@@ -120,7 +120,8 @@ class PretrainTask(Task):
         return out
 
     def _mtp_loss(self, num_microbatches: int) -> dict[str, float]:
-        # megatron's own reduction averages with ReduceOp.AVG, which gloo lacks: sum over DP and divide here
+        # megatron's own reduction averages with ReduceOp.AVG, which gloo lacks: sum over DP (x CP: a CP rank's
+        # value is its share of the sequences' mean times the CP size, see LoongGPTModel._mtp_loss) and divide here
         import torch.distributed as dist
         from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
 
@@ -129,7 +130,8 @@ class PretrainTask(Task):
         if values is None:  # not the last pipeline stage
             return {}
         total = values.detach().clone()
-        dp = getattr(self.layout.pg_collection, "dp", None)
+        pgs = self.layout.pg_collection
+        dp = getattr(pgs, "dp_cp", None) or getattr(pgs, "dp", None)
         if dp is not None and dist.get_world_size(dp) > 1:
             dist.all_reduce(total, group=dp)
             total /= dist.get_world_size(dp)
