@@ -16,8 +16,9 @@ torchrun). One-GPU runs that do not depend on each other run side by side on dif
   EP=2 (DP=2 for the dense parts): the loss of every step against the one-GPU run, tokens/s per GPU, memory;
   ``--moe-overrides`` adds settings to every MoE run (e.g. ``model.moe_grouped_mm=true``).
 
-- **Context parallelism** (``--groups cp``): the ~1B at ``--cp-seq`` (32K) tokens per sequence on one GPU and at
-  CP=2, ``model.recompute=full``: the loss of every step against the one GPU, tokens/s per GPU, memory.
+- **Context parallelism** (``--groups cp``): the ~1B (or ``--cp-preset``, e.g. ``deepseek_v3_2_4l``) at
+  ``--cp-seq`` (32K) tokens per sequence on one GPU and at CP=2, ``model.recompute=full`` (plus ``--cp-overrides``):
+  the loss of every step against the one GPU, tokens/s per GPU, memory.
 
 ``--groups`` picks what runs (default: ``dense moe``); ``pp`` is the one-GPU ~1B run and PP=2 × VPP=2 alone
 (a re-check of the interleaved pipeline without the rest of ``dense``).
@@ -151,6 +152,9 @@ def main() -> None:
     p.add_argument("--groups", nargs="+", choices=["dense", "pp", "moe", "cp"], default=["dense", "moe"])
     p.add_argument("--cp-seq", type=int, default=32768, help="tokens per sequence of the cp group")
     p.add_argument("--cp-gbs", type=int, default=4, help="global batch (sequences) of the cp group")
+    p.add_argument("--cp-preset", choices=MOE_PRESETS, default=None,
+                   help="the cp group's model: a MoE preset (random HF weights from its config) instead of the ~1B")
+    p.add_argument("--cp-overrides", nargs="+", default=[], help="key=value overrides for both cp runs")
     p.add_argument("--moe-presets", nargs="+", choices=MOE_PRESETS, default=list(MOE_PRESETS))
     p.add_argument("--moe-overrides", nargs="+", default=[],
                    help="key=value overrides for every MoE run (e.g. model.moe_grouped_mm=true)")
@@ -219,16 +223,16 @@ def pp_runs(args: argparse.Namespace, work: Path, runs: Path, r: dict[str, dict]
 
 
 def cp_runs(args: argparse.Namespace, work: Path, runs: Path, r: dict[str, dict]) -> dict:
-    """The ~1B at ``--cp-seq`` tokens per sequence on one GPU and at CP=2 (the same global batch of whole
-    sequences; full recompute so one GPU holds it); returns the loss gap."""
-    hf1 = make_hf("1b", None, work / "hf-1b")
+    """The ~1B (or ``--cp-preset``) at ``--cp-seq`` tokens per sequence on one GPU and at CP=2 (the same global batch
+    of whole sequences; full recompute so one GPU holds it, plus ``--cp-overrides``); returns the loss gap."""
+    name = args.cp_preset or "1b"
+    hf = make_hf_from_preset(name, work / f"hf-{name}") if args.cp_preset else make_hf("1b", None, work / "hf-1b")
     long = argparse.Namespace(**{**vars(args), "seq": args.cp_seq, "mbs": 1, "gbs": args.cp_gbs})
-    recompute = ("model.recompute=full",)
-    r["1b-long-1gpu"] = {**train("1b-long-1gpu", hf1, runs, long, 1, "0", *recompute), "ref": "1b-long-1gpu"}
-    r["1b-long-cp2"] = {**train("1b-long-cp2", hf1, runs, long, 2, "0,1", "parallel.cp=2", *recompute),
-                        "ref": "1b-long-1gpu"}
-    return {"loss_gap_cp2_vs_1gpu": loss_gap(r["1b-long-cp2"], r["1b-long-1gpu"]),
-            "loss_gap_cp2_vs_1gpu_last10_mean": tail_gap(r["1b-long-cp2"], r["1b-long-1gpu"])}
+    extra = ("model.recompute=full", *args.cp_overrides)
+    one, cp2 = f"{name}-long-1gpu", f"{name}-long-cp2"
+    r[one] = {**train(one, hf, runs, long, 1, "0", *extra), "ref": one}
+    r[cp2] = {**train(cp2, hf, runs, long, 2, "0,1", "parallel.cp=2", *extra), "ref": one}
+    return {"loss_gap_cp2_vs_1gpu": loss_gap(r[cp2], r[one]), "loss_gap_cp2_vs_1gpu_last10_mean": tail_gap(r[cp2], r[one])}
 
 
 def dense_runs(args: argparse.Namespace, work: Path, runs: Path, r: dict[str, dict]) -> dict:
