@@ -153,6 +153,27 @@ def test_indexer_topk(dtype):
     assert (got <= torch.arange(s, device="cuda")[None, :, None]).all()
 
 
+def test_indexer_topk_of_a_late_chunk_of_queries():
+    """Context parallelism's call: the last quarter of the queries against every key (bottom-right causal) picks
+    the whole sequence's rows' keys."""
+    s, heads, dim, topk = 4096, 64, 128, 2048
+    q = torch.randn(1, s, heads, dim, device="cuda").bfloat16()
+    k = torch.randn(1, s, dim, device="cuda").bfloat16()
+    w = torch.randn(1, s, heads, device="cuda") * heads ** -0.5
+    first = 3 * s // 4
+    got = K.indexer_topk(q[:, first:], k, w[:, first:], topk, backend="triton")
+    whole = K.indexer_topk(q, k, w, topk, backend="triton")[:, first:]
+    scores = K.indexer_scores_reference(q[:, first:], k, w[:, first:])
+
+    def picked(ix):
+        vals = scores.gather(-1, ix.long().clamp(min=0)).masked_fill(ix < 0, float("-inf"))
+        return vals.sort(-1, descending=True).values
+
+    assert torch.equal(got < 0, whole < 0)
+    torch.testing.assert_close(picked(got), picked(whole), rtol=1e-4, atol=1e-4)
+    assert (got <= torch.arange(first, s, device="cuda")[None, :, None]).all()
+
+
 def test_auto_dispatch_uses_the_kernels_on_cuda(monkeypatch):
     dsa = sys.modules["loong.kernels.dsa"]
     monkeypatch.setattr(dsa, "sparse_mla_attention_reference", lambda *a, **k: pytest.fail("fell back"))
