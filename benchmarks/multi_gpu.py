@@ -21,7 +21,8 @@ torchrun). One-GPU runs that do not depend on each other run side by side on dif
   the loss of every step against the one GPU, tokens/s per GPU, memory.
 
 ``--groups`` picks what runs (default: ``dense moe``); ``pp`` is the one-GPU ~1B run and PP=2 × VPP=2 alone
-(a re-check of the interleaved pipeline without the rest of ``dense``).
+(a re-check of the interleaved pipeline without the rest of ``dense``); ``big`` is the ~8B-shaped model at PP=2 ×
+VPP=2 and DP=2 against its one-GPU run.
 
 Prints a table and writes JSON (command, versions, GPUs, every figure) to ``benchmarks/results/``.
 """
@@ -149,7 +150,7 @@ def main() -> None:
     p.add_argument("--warmup-skip", type=int, default=5, help="steps left out of the throughput")
     p.add_argument("--work", default="/tmp/loong-multi-gpu")
     p.add_argument("--out", default=None)
-    p.add_argument("--groups", nargs="+", choices=["dense", "pp", "moe", "cp"], default=["dense", "moe"])
+    p.add_argument("--groups", nargs="+", choices=["dense", "big", "pp", "moe", "cp"], default=["dense", "moe"])
     p.add_argument("--cp-seq", type=int, default=32768, help="tokens per sequence of the cp group")
     p.add_argument("--cp-gbs", type=int, default=4, help="global batch (sequences) of the cp group")
     p.add_argument("--cp-preset", choices=MOE_PRESETS, default=None,
@@ -171,6 +172,8 @@ def main() -> None:
         summary.update(dense_runs(args, work, runs, r))
     if "pp" in args.groups and "dense" not in args.groups:
         summary.update(pp_runs(args, work, runs, r))
+    if "big" in args.groups:
+        summary.update(big_runs(args, work, runs, r))
     if "moe" in args.groups:
         summary.update(moe_runs(args, work, runs, r))
     if "cp" in args.groups:
@@ -233,6 +236,18 @@ def cp_runs(args: argparse.Namespace, work: Path, runs: Path, r: dict[str, dict]
     r[one] = {**train(one, hf, runs, long, 1, "0", *extra), "ref": one}
     r[cp2] = {**train(cp2, hf, runs, long, 2, "0,1", "parallel.cp=2", *extra), "ref": one}
     return {"loss_gap_cp2_vs_1gpu": loss_gap(r[cp2], r[one]), "loss_gap_cp2_vs_1gpu_last10_mean": tail_gap(r[cp2], r[one])}
+
+
+def big_runs(args: argparse.Namespace, work: Path, runs: Path, r: dict[str, dict]) -> dict:
+    """The ~8B-shaped model's other two-GPU layouts (``dense`` has its one-GPU and TP=2 runs): PP=2 x VPP=2 and
+    DP=2 against one GPU; returns the loss gaps."""
+    hf8 = make_hf("8b", args.big_layers, work / "hf-8b")
+    r["8b-1gpu"] = {**train("8b-1gpu", hf8, runs, args, 1, "0"), "ref": "8b-1gpu"}
+    r["8b-pp2-vpp2"] = {**train("8b-pp2-vpp2", hf8, runs, args, 2, "0,1", "parallel.pp=2", "parallel.vpp=2"),
+                        "ref": "8b-1gpu"}
+    r["8b-dp2"] = {**train("8b-dp2", hf8, runs, args, 2, "0,1"), "ref": "8b-1gpu"}
+    return {"loss_gap_8b_vs_1gpu": {k: loss_gap(r[k], r["8b-1gpu"]) for k in ("8b-pp2-vpp2", "8b-dp2")},
+            "loss_gap_8b_vs_1gpu_last10_mean": {k: tail_gap(r[k], r["8b-1gpu"]) for k in ("8b-pp2-vpp2", "8b-dp2")}}
 
 
 def dense_runs(args: argparse.Namespace, work: Path, runs: Path, r: dict[str, dict]) -> dict:
