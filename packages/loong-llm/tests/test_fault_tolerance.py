@@ -94,8 +94,8 @@ def reference(root: Path):  # noqa: ANN201
 
 # --- kill anywhere, resume, continue bit for bit --------------------------------------------------
 @pytest.mark.parametrize("layout,fault,resumed_from", [
-    # (a kill between steps runs with the fused AdamW: its per-parameter device steps are the harder state to resume)
-    ("tp1", "forward:3", 2), ("tp1", "save:4", 2),
+    # (a kill between steps runs with the fused AdamW: its per-parameter device steps are the harder state to resume;
+    # a kill in the forward and one in a save run on two ranks, and the one-rank forward kill is the async case's)
     ("tp2", "forward:3", 2), ("pp2", "save:4", 2), ("tp1-fused", "between:3", 2),
     # killed in step 5, while the step-4 async save may still be writing: 4 if it finished, else 2
     ("tp1-async", "forward:5", (4, 2)),
