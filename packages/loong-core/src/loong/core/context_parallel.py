@@ -36,6 +36,18 @@ def split_for_cp_rank(t: torch.Tensor, seq_dim: int, cp_size: int, cp_rank: int)
     return torch.cat([chunks[a], chunks[b]], dim=seq_dim)
 
 
+def sum_over_cp(count: torch.Tensor, cp_group: Any) -> torch.Tensor:
+    """``count`` (e.g. a rank's token count) summed over the CP group, detached: the whole sequences' count that a
+    CP-split loss divides by. Unchanged without a group or with a group of one."""
+    if cp_group is None or cp_group.size() == 1:
+        return count
+    import torch.distributed as dist
+
+    count = count.detach().clone()
+    dist.all_reduce(count, group=cp_group)
+    return count
+
+
 def gather_sequence(x: torch.Tensor, cp_group: Any) -> torch.Tensor:
     """``x [s_local, ...]`` (this rank's two chunks) -> ``[s, ...]``, the whole sequence in order.
 

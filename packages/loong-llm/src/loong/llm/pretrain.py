@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from loong.core.context_parallel import sum_over_cp
 from loong.core.errors import LoongError
 from loong.core.registry import TASKS
 from loong.core.task import Task
@@ -199,15 +200,10 @@ class PretrainTask(Task):
     # --- loss ------------------------------------------------------------------------------
     def _loss(self, loss_mask: torch.Tensor, output: torch.Tensor) -> tuple[torch.Tensor, dict]:
         losses = output.float()
-        count = loss_mask.sum()
-        if self.layout.cp > 1:
-            # each CP rank holds part of every sequence: divide by the whole sequences' token count. megatron's
-            # schedule multiplies the loss by cp (its DDP averages gradients over dp x cp), and the engine
-            # averages the logged loss over dp x cp, so the logged value is scaled alike here.
-            import torch.distributed as dist
-
-            count = count.detach().clone()
-            dist.all_reduce(count, group=self.layout.pg_collection.cp)
+        # each CP rank holds part of every sequence: divide by the whole sequences' token count. megatron's schedule
+        # multiplies the loss by cp (its DDP averages gradients over dp x cp), and the engine averages the logged
+        # loss over dp x cp, so the logged value is scaled alike here.
+        count = sum_over_cp(loss_mask.sum(), getattr(self.layout.pg_collection, "cp", None))
         loss = (losses * loss_mask).sum() / count.clamp(min=1)
         # a new tensor (the product): the schedule divides the returned loss in place by the micro-batch count
         return loss, {"loss": loss.detach() * self.layout.cp}

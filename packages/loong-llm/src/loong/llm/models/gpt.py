@@ -34,6 +34,7 @@ from megatron.core.inference.utils import InferenceMode
 from megatron.core.models.gpt import GPTModel
 from megatron.core.tensor_parallel import ColumnParallelLinear
 
+from loong.core.context_parallel import sum_over_cp
 from loong.llm.models.fused import FusedKernels, fused_lm_loss
 
 
@@ -185,12 +186,12 @@ class LoongGPTModel(GPTModel):
             loss_mask = torch.ones_like(mtp_labels)
         cp = self.pg_collection.cp
         cp_size = self._cp_size()
-        original_num_tokens = self._cp_sum(loss_mask.sum())
+        original_num_tokens = sum_over_cp(loss_mask.sum(), cp)
         zero = torch.zeros((), device=main.device)
         for layer in range(cfg.mtp_num_layers):
             mtp_labels, _ = roll_tensor(mtp_labels, shifts=-1, dims=-1, cp_group=cp)
             loss_mask, num_tokens = roll_tensor(loss_mask, shifts=-1, dims=-1, cp_group=cp)
-            num_tokens = self._cp_sum(num_tokens)
+            num_tokens = sum_over_cp(num_tokens, cp)
             mtp_loss = loss_mask * self._token_losses(chunks[layer + 1], mtp_labels, fused, kw, cfg.mtp_detach_heads)
             safe = num_tokens.clamp(min=1)
             if self.training:  # averaged over DP x CP by the helper: the CP ranks' shares sum to the mean
@@ -203,16 +204,6 @@ class LoongGPTModel(GPTModel):
             else:
                 main = MTPLossAutoScaler.apply(main, scale * mtp_loss * cp_size / safe)
         return main
-
-    def _cp_sum(self, count: torch.Tensor) -> torch.Tensor:
-        """``count`` summed over the CP group (a new tensor; unchanged without context parallelism)."""
-        if self._cp_size() == 1:
-            return count
-        import torch.distributed as dist
-
-        count = count.detach().clone()
-        dist.all_reduce(count, group=self.pg_collection.cp)
-        return count
 
     def _postprocess(self, hidden_states: torch.Tensor, input_ids: torch.Tensor, position_ids: torch.Tensor,
                      labels: torch.Tensor | None, *args: Any, **kwargs: Any) -> torch.Tensor:
