@@ -257,6 +257,7 @@ def main() -> None:
     p.add_argument("--indexer-config", help="indexer BLOCK_N,num_warps,per_sm")
     p.add_argument("--bwd-split", action="store_true",
                    help="also time the split backward (a dq pass, then a dkv pass summing all heads per atomic)")
+    p.add_argument("--dq-config", help="split backward's dq pass BLOCK_H,BLOCK_N,num_warps,num_stages")
     p.add_argument("--dkv-config", help="split backward's dkv pass BLOCK_H,BLOCK_N,num_warps,num_stages")
     p.add_argument("--warmup-ms", type=float, default=100)
     p.add_argument("--rep-ms", type=float, default=500)
@@ -267,7 +268,7 @@ def main() -> None:
     keys = ("BLOCK_H", "BLOCK_N", "num_warps", "num_stages")
     try:
         fwd_cfg, bwd_cfg = _config(args.fwd_config, keys), _config(args.bwd_config, keys)
-        dkv_cfg = _config(args.dkv_config, keys)
+        dq_cfg, dkv_cfg = _config(args.dq_config, keys), _config(args.dkv_config, keys)
         idx_cfg = _config(args.indexer_config, ("BLOCK_N", "num_warps", "per_sm"))
     except argparse.ArgumentTypeError as e:
         p.error(str(e))
@@ -286,6 +287,8 @@ def main() -> None:
         attention.FWD_CONFIG = fwd_cfg
     if bwd_cfg:
         attention.BWD_CONFIG = bwd_cfg
+    if dq_cfg:
+        attention.DQ_CONFIG = dq_cfg
     if dkv_cfg:
         attention.DKV_CONFIG = dkv_cfg
     if idx_cfg:
@@ -305,6 +308,7 @@ def main() -> None:
                       "args": {k: str(v) if isinstance(v, torch.dtype) else v for k, v in vars(args).items()},
                       "versions": versions(["torch", "triton", "loong-kernels"]), "hardware": hw,
                       "configs": {"attention_fwd": attention.FWD_CONFIG, "attention_bwd": attention.BWD_CONFIG,
+                                  "attention_bwd_split_dq": attention.DQ_CONFIG,
                                   "attention_bwd_split_dkv": attention.DKV_CONFIG,
                                   "indexer": indexer.INDEXER_CONFIG},
                       "flops_counted": "fwd 2*S*K*H*(D_qk+v_dim); bwd 2.5x fwd; fwd+bwd 3.5x fwd; "

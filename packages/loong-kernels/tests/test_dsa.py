@@ -163,6 +163,7 @@ def test_attention_several_head_and_key_blocks(interpret, check, monkeypatch, bw
     small = {"BLOCK_H": 16, "BLOCK_N": 16, "num_warps": 4, "num_stages": 1}
     monkeypatch.setattr(attention_mod, "FWD_CONFIG", small)
     monkeypatch.setattr(attention_mod, "BWD_CONFIG", small)
+    monkeypatch.setattr(attention_mod, "DQ_CONFIG", small)
     monkeypatch.setattr(attention_mod, "DKV_CONFIG", small)
     g = _gen(3)
     for d, v_dim in ((24, 24), (48, 16)):
@@ -174,6 +175,18 @@ def test_attention_several_head_and_key_blocks(interpret, check, monkeypatch, bw
         ref = _attention_run(sparse_mla_attention_reference, q, kv, idx, 0.3, v_dim)
         for a, b in zip(got, ref, strict=True):
             assert check.rel_err(a, b) < 1e-5
+
+
+def test_attention_split_backward_in_token_chunks(interpret, check, monkeypatch):
+    """The split backward with P/dS buffers of 2 tokens: 7 queries in 4 chunks (the last one partial), so every
+    chunk's token offset reaches both passes; the same gradients as the reference."""
+    monkeypatch.setattr(attention_mod, "BWD_SPLIT", True)
+    q, kv, idx = _attention_inputs(2, 7, 3, 40, 8, seed=6)
+    monkeypatch.setattr(attention_mod, "SPLIT_BUFFER_BYTES", 2 * 2 * 2 * 8 * 3 * 4)  # 2 tokens x B x K x H fp32, P+dS
+    got = _attention_run(_triton_attention, q, kv, idx, 0.21, 32)
+    ref = _attention_run(sparse_mla_attention_reference, q, kv, idx, 0.21, 32)
+    for a, b in zip(got[:1] + got[2:], ref[:1] + ref[2:], strict=True):
+        assert check.rel_err(a, b) < 1e-5
 
 
 def _eager_low_precision(q, kv, idx, softmax_scale, v_dim):

@@ -28,6 +28,15 @@ def _compiled(monkeypatch):
     torch.manual_seed(0)
 
 
+@pytest.fixture(params=[False, True], ids=["fused-bwd", "split-bwd"])
+def bwd_split(request, monkeypatch):
+    """Both backwards: the fused one and the split dq pass + dkv pass over stored P and dS."""
+    from loong.kernels.dsa import attention
+
+    monkeypatch.setattr(attention, "BWD_SPLIT", request.param)
+    return request.param
+
+
 def _rel(a, b):
     a, b = a.detach().double(), b.detach().double()
     assert torch.isfinite(a).all()
@@ -57,7 +66,7 @@ def _run(fn, q, kv, idx, scale, v_dim, probe):
 
 
 @pytest.mark.parametrize(("s", "topk", "heads"), [(4096, 2048, 16), (2048, 1024, 128)])
-def test_sparse_mla_bf16(s, topk, heads):
+def test_sparse_mla_bf16(s, topk, heads, bwd_split):
     d, v_dim = 576, 512
     q = torch.randn(1, s, heads, d, device="cuda").bfloat16().requires_grad_()
     kv = torch.randn(1, s, d, device="cuda").bfloat16().requires_grad_()
@@ -76,7 +85,7 @@ def test_sparse_mla_bf16(s, topk, heads):
     assert _rel(got[1], exact[1]) < 1e-4
 
 
-def test_sparse_mla_fp32_matches_reference():
+def test_sparse_mla_fp32_matches_reference(bwd_split):
     s, heads, d, v_dim = 512, 20, 576, 512
     q = torch.randn(1, s, heads, d, device="cuda", requires_grad=True)
     kv = torch.randn(1, s, d, device="cuda", requires_grad=True)
@@ -88,7 +97,7 @@ def test_sparse_mla_fp32_matches_reference():
         assert _rel(a, b) < 1e-5
 
 
-def test_sparse_mla_beyond_65535_tokens():
+def test_sparse_mla_beyond_65535_tokens(bwd_split):
     """More tokens than CUDA's grid axes 1 and 2 allow (65535): every row must still be computed."""
     s, heads, d, v_dim, topk = 70_000, 16, 576, 512, 16
     q = torch.randn(1, s, heads, d, device="cuda", requires_grad=True)
@@ -104,7 +113,7 @@ def test_sparse_mla_beyond_65535_tokens():
         assert _rel(a, b) < 1e-5
 
 
-def test_sparse_mla_head_strides_past_int32():
+def test_sparse_mla_head_strides_past_int32(bwd_split):
     """q and dout in head-major memory ``[h, s, c]`` (what einsum's backward hands the kernel in DSA's absorbed
     attention): 127 heads x the head stride exceed 2**31 elements. The results must be bit-identical to the same
     values laid out contiguously; before the offsets were int64 this produced NaN in dq at 64K tokens."""

@@ -19,11 +19,12 @@ inverse index would need either the per-(query, head, key) probabilities stored 
 64K) or the attention recomputed from the key side. The price is run-to-run bit differences in ``dkv``
 (fp32 sums in a varying order) and ``4 * B * S_kv * D`` bytes for the buffer.
 
-Split backward (``BWD_SPLIT``, off: measured slower on an H200): the same kernel without its atomics computes dq and stores
-``delta``; a second kernel, one program per (key tile, token), gathers the tile once, walks all heads and adds
-dk + dv summed over every head with one atomic per element, where the fused backward adds once per head block.
-Compiled offline for sm_90 at V3.2's shape (32 heads x 32 keys, 8 warps), the dq pass holds its registers
-without spilling (the fused backward spills 312 bytes per thread) and the dkv pass spills 120.
+Split backward (``BWD_SPLIT``): the same kernel without its atomics computes dq and stores the probabilities
+P and the score gradients dS (bf16, ``[B, tokens, K, H]``, a chunk of tokens at a time so the buffers stay
+under ``SPLIT_BUFFER_BYTES``); a second kernel, one program per (key tile, token), reads them and adds
+``dS^T q + P^T dO`` summed over every head with one atomic per element, where the fused backward adds once
+per head block. Nothing is recomputed, the dq pass has no dkv accumulator to hold, and the dkv pass's dots
+reduce over the heads.
 """
 
 from __future__ import annotations
@@ -49,12 +50,15 @@ _LOG2E = math.log2(math.e)
 # 227 KB); forward 64/64/8/1 ran at 206 TFLOP/s, backward 32/32/8/1 at 85 TFLOP/s.
 FWD_CONFIG: dict[str, int] = {"BLOCK_H": 64, "BLOCK_N": 64, "num_warps": 8, "num_stages": 1}
 BWD_CONFIG: dict[str, int] = {"BLOCK_H": 32, "BLOCK_N": 32, "num_warps": 8, "num_stages": 1}
-# The split backward (BWD_SPLIT): BWD_CONFIG's kernel computes dq only, and a second kernel (DKV_CONFIG: its
-# BLOCK_N keys per program, heads BLOCK_H at a time) adds dkv summed over all heads with one atomic per tile
-# (~1.4x the FLOPs, n_heads / BLOCK_H times fewer atomics). Off: on an H200 it is slower than the fused one
-# (backward 73 vs 98 TFLOP/s at 8K, 70 vs 89 at 64K; ``benchmarks/dsa.py --bwd-split``, docs/kernels.md).
+# The split backward (BWD_SPLIT): the backward kernel at DQ_CONFIG computes dq and stores P and dS (without the
+# dkv accumulator it has the registers for 64-head blocks, whose dots reach Hopper's wgmma), and a second kernel
+# (DKV_CONFIG: BLOCK_N keys per program, the heads BLOCK_H at a time as the dots' reduction) adds dkv summed over
+# all heads with one atomic per tile. SPLIT_BUFFER_BYTES bounds the two bf16 buffers (the sequence is walked in
+# chunks of tokens that fit).
 BWD_SPLIT = False
-DKV_CONFIG: dict[str, int] = {"BLOCK_H": 32, "BLOCK_N": 32, "num_warps": 8, "num_stages": 1}
+DQ_CONFIG: dict[str, int] = {"BLOCK_H": 64, "BLOCK_N": 32, "num_warps": 8, "num_stages": 1}
+DKV_CONFIG: dict[str, int] = {"BLOCK_H": 64, "BLOCK_N": 64, "num_warps": 8, "num_stages": 1}
+SPLIT_BUFFER_BYTES = 1 << 30
 _MAX_DIM = 1024  # padded value part; wider rows would not fit the tiles
 
 
@@ -136,20 +140,22 @@ def _sparse_mla_fwd(Q, KV, IDX, OUT, LSE,
 
 
 @kernel
-def _sparse_mla_bwd(Q, KV, IDX, OUT, DO, LSE, DQ, DKV, DELTA,
+def _sparse_mla_bwd(Q, KV, IDX, OUT, DO, LSE, DQ, DKV, P, DS,
                     sq_b, sq_s, sq_h, skv_b, skv_s, si_b, si_s, so_b, so_s, so_h, sdo_b, sdo_s, sdo_h,
-                    sl_b, sl_s, sdq_b, sdq_s, sdq_h, sdk_b, sdk_s,
-                    n_heads, s_kv, n_sel, v_dim, d_tail, qk_scale, sm_scale,
+                    sl_b, sl_s, sdq_b, sdq_s, sdq_h, sdk_b, sdk_s, sp_b, sp_s,
+                    tok0, n_heads, s_kv, n_sel, v_dim, d_tail, qk_scale, sm_scale,
                     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr,
                     BLOCK_T: tl.constexpr, HAS_TAIL: tl.constexpr, EVEN_V: tl.constexpr,
                     EVEN_T: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
                     WITH_DKV: tl.constexpr):
-    # WITH_DKV=False is the split backward's dq pass: no dkv atomics; it stores delta (laid out as lse) for
-    # the dkv pass (_sparse_mla_bwd_dkv) instead.
+    # WITH_DKV=False is the split backward's dq pass: no dkv atomics; it stores the probabilities P and the
+    # score gradients dS (times sm_scale) of tokens tok0.. into the [B, chunk, K, H] buffers for the dkv pass
+    # (_sparse_mla_bwd_dkv) instead.
     # (head block, token) share grid axis 0: axis 1 is capped at 65535 (a 64K sequence overflows it), and the
     # head blocks of one token stay adjacent, so they read its gathered kv rows while those are in L2.
     n_hb = tl.cdiv(n_heads, BLOCK_H)
-    hb, tok, bat = tl.program_id(0) % n_hb, (tl.program_id(0) // n_hb).to(tl.int64), tl.program_id(1).to(tl.int64)
+    hb, t_loc, bat = tl.program_id(0) % n_hb, (tl.program_id(0) // n_hb).to(tl.int64), tl.program_id(1).to(tl.int64)
+    tok = tok0 + t_loc
     heads = hb * BLOCK_H + tl.arange(0, BLOCK_H)
     hmask = heads < n_heads
     # int64 before the head stride: a strided dout (einsum's backward gives [h, s, c] memory) has a head stride
@@ -172,8 +178,6 @@ def _sparse_mla_bwd(Q, KV, IDX, OUT, DO, LSE, DQ, DKV, DELTA,
     o = tl.load(OUT + bat * so_b + tok * so_s + h_off * so_h + dv[None, :], mask=hv_mask, other=0.0)
     # delta = rowsum(dO * O): computed here rather than by a separate pass, it costs one extra [H, v] read.
     delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), 1)
-    if not WITH_DKV:
-        tl.store(DELTA + bat * sl_b + tok * sl_s + heads, delta, mask=hmask)
     lse = tl.load(LSE + bat * sl_b + tok * sl_s + heads, mask=hmask, other=float("-inf"))
     # Base-2 lse; a query (or padded head) without any valid key gets +inf so that its p is exactly 0.
     lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
@@ -191,6 +195,7 @@ def _sparse_mla_bwd(Q, KV, IDX, OUT, DO, LSE, DQ, DKV, DELTA,
     kv_base = KV + bat * skv_b
     dkv_base = DKV + bat * sdk_b
     idx_base = IDX + bat * si_b + tok * si_s
+    pds_base = bat * sp_b + t_loc * sp_s + heads[:, None]  # the [K, H] slab of this token in the P/dS buffers
     for start in range(0, n_sel, BLOCK_N):
         offs = start + tl.arange(0, BLOCK_N)
         idx = tl.load(idx_base + offs, mask=offs < n_sel, other=-1).to(tl.int64)
@@ -207,8 +212,16 @@ def _sparse_mla_bwd(Q, KV, IDX, OUT, DO, LSE, DQ, DKV, DELTA,
             s += tl.dot(q_t, tl.trans(kv_t), input_precision=PRECISION)
         p = tl.where(valid[None, :], tl.exp2(s * qk_scale - lse2[:, None]), 0.0)
         dp = tl.dot(do, tl.trans(kv_v), input_precision=PRECISION)
-        ds = (p * (dp - delta[:, None])).to(KV.dtype.element_ty)  # d(loss)/d(q.k) up to sm_scale
+        ds = p * (dp - delta[:, None])  # d(loss)/d(q.k) up to sm_scale
+        if not WITH_DKV:  # the dkv pass reads dS with sm_scale in it, so dq takes it the same way
+            ds = ds * sm_scale
+        ds = ds.to(KV.dtype.element_ty)
         p_op = p.to(KV.dtype.element_ty)
+        if not WITH_DKV:
+            pds = pds_base + offs.to(tl.int64)[None, :] * n_heads
+            pds_mask = hmask[:, None] & (offs < n_sel)[None, :]
+            tl.store(P + pds, p_op, mask=pds_mask)
+            tl.store(DS + pds, ds, mask=pds_mask)
         if UPCAST:
             ds, p_op = ds.to(tl.float32), p_op.to(tl.float32)
         dq_v += tl.dot(ds, kv_v, input_precision=PRECISION)
@@ -225,38 +238,39 @@ def _sparse_mla_bwd(Q, KV, IDX, OUT, DO, LSE, DQ, DKV, DELTA,
                 dkv_t = tl.dot(tl.trans(ds), q_t, input_precision=PRECISION) * sm_scale
                 tl.atomic_add(d_rows[:, None] + v_dim + dt[None, :], dkv_t, mask=valid[:, None] & tmask[None, :],
                               sem="relaxed")
+    if WITH_DKV:
+        dq_v *= sm_scale
+        if HAS_TAIL:
+            dq_t *= sm_scale
     dq_row = DQ + bat * sdq_b + tok * sdq_s + h_off * sdq_h
-    tl.store(dq_row + dv[None, :], (dq_v * sm_scale).to(DQ.dtype.element_ty), mask=hv_mask)
+    tl.store(dq_row + dv[None, :], dq_v.to(DQ.dtype.element_ty), mask=hv_mask)
     if HAS_TAIL:
-        tl.store(dq_row + v_dim + dt[None, :], (dq_t * sm_scale).to(DQ.dtype.element_ty),
-                 mask=hmask[:, None] & tmask[None, :])
+        tl.store(dq_row + v_dim + dt[None, :], dq_t.to(DQ.dtype.element_ty), mask=hmask[:, None] & tmask[None, :])
 
 
 @kernel
-def _sparse_mla_bwd_dkv(Q, KV, IDX, DO, LSE, DELTA, DKV,
-                        sq_b, sq_s, sq_h, skv_b, skv_s, si_b, si_s, sdo_b, sdo_s, sdo_h, sl_b, sl_s, sdk_b, sdk_s,
-                        n_heads, s_kv, n_sel, v_dim, d_tail, qk_scale, sm_scale,
+def _sparse_mla_bwd_dkv(Q, DO, IDX, P, DS, DKV,
+                        sq_b, sq_s, sq_h, si_b, si_s, sdo_b, sdo_s, sdo_h, sp_b, sp_s, sdk_b, sdk_s,
+                        tok0, n_heads, s_kv, n_sel, v_dim, d_tail,
                         BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr,
                         BLOCK_T: tl.constexpr, HAS_TAIL: tl.constexpr, EVEN_V: tl.constexpr,
                         EVEN_T: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
-    # The split backward's dkv pass: one program per (key tile, token). It gathers the tile's kv rows once,
-    # walks every head of the token and adds the tile's dk + dv summed over all heads with one atomic add,
-    # where the fused backward adds once per head block (n_heads / BLOCK_H times as many atomics). The price
-    # is recomputing q.k and dO.v here (the dq pass computes them too).
+    # The split backward's dkv pass: one program per (key tile, token) of tokens tok0.. . It reads the tile's
+    # P and dS rows [BLOCK_N, H] that the dq pass stored, and adds dS^T q + P^T dO, summed over every head of
+    # the token (the heads are the dots' reduction axis, BLOCK_H at a time), with one atomic add per tile.
     n_tiles = tl.cdiv(n_sel, BLOCK_N)
-    tile, tok, bat = tl.program_id(0) % n_tiles, (tl.program_id(0) // n_tiles).to(tl.int64), tl.program_id(1).to(tl.int64)
+    tile, t_loc, bat = tl.program_id(0) % n_tiles, (tl.program_id(0) // n_tiles).to(tl.int64), tl.program_id(1).to(tl.int64)
+    tok = tok0 + t_loc
     dv = tl.arange(0, BLOCK_V)
     if EVEN_V:
         vmask = dv < BLOCK_V
     else:
         vmask = dv < v_dim
     offs = tile * BLOCK_N + tl.arange(0, BLOCK_N)
-    idx = tl.load(IDX + bat * si_b + tok * si_s + offs, mask=offs < n_sel, other=-1).to(tl.int64)
+    kmask = offs < n_sel
+    idx = tl.load(IDX + bat * si_b + tok * si_s + offs, mask=kmask, other=-1).to(tl.int64)
     valid = (idx >= 0) & (idx < s_kv)
-    rows = KV + bat * skv_b + idx * skv_s
-    kv_v = tl.load(rows[:, None] + dv[None, :], mask=valid[:, None] & vmask[None, :], other=0.0)
-    if UPCAST:
-        kv_v = kv_v.to(tl.float32)
+    pds_rows = bat * sp_b + t_loc * sp_s + offs.to(tl.int64)[:, None] * n_heads
     acc_v = tl.zeros([BLOCK_N, BLOCK_V], tl.float32)
     if HAS_TAIL:
         dt = tl.arange(0, BLOCK_T)
@@ -264,40 +278,26 @@ def _sparse_mla_bwd_dkv(Q, KV, IDX, DO, LSE, DELTA, DKV,
             tmask = dt < BLOCK_T
         else:
             tmask = dt < d_tail
-        kv_t = tl.load(rows[:, None] + v_dim + dt[None, :], mask=valid[:, None] & tmask[None, :], other=0.0)
-        if UPCAST:
-            kv_t = kv_t.to(tl.float32)
         acc_t = tl.zeros([BLOCK_N, BLOCK_T], tl.float32)
     for h0 in range(0, n_heads, BLOCK_H):
         heads = h0 + tl.arange(0, BLOCK_H)
         hmask = heads < n_heads
         h_off = heads.to(tl.int64)[:, None]
+        p_t = tl.load(P + pds_rows + heads[None, :], mask=kmask[:, None] & hmask[None, :], other=0.0)
+        ds_t = tl.load(DS + pds_rows + heads[None, :], mask=kmask[:, None] & hmask[None, :], other=0.0)
         q_row = Q + bat * sq_b + tok * sq_s + h_off * sq_h
         hv_mask = hmask[:, None] & vmask[None, :]
         q_v = tl.load(q_row + dv[None, :], mask=hv_mask, other=0.0)
         do = tl.load(DO + bat * sdo_b + tok * sdo_s + h_off * sdo_h + dv[None, :], mask=hv_mask, other=0.0)
         if UPCAST:
-            q_v, do = q_v.to(tl.float32), do.to(tl.float32)
-        lse = tl.load(LSE + bat * sl_b + tok * sl_s + heads, mask=hmask, other=float("-inf"))
-        lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
-        delta = tl.load(DELTA + bat * sl_b + tok * sl_s + heads, mask=hmask, other=0.0)
-        s = tl.dot(q_v, tl.trans(kv_v), input_precision=PRECISION)
+            p_t, ds_t, q_v, do = p_t.to(tl.float32), ds_t.to(tl.float32), q_v.to(tl.float32), do.to(tl.float32)
+        acc_v += tl.dot(ds_t, q_v, input_precision=PRECISION)
+        acc_v += tl.dot(p_t, do, input_precision=PRECISION)
         if HAS_TAIL:
             q_t = tl.load(q_row + v_dim + dt[None, :], mask=hmask[:, None] & tmask[None, :], other=0.0)
             if UPCAST:
                 q_t = q_t.to(tl.float32)
-            s += tl.dot(q_t, tl.trans(kv_t), input_precision=PRECISION)
-        p = tl.where(valid[None, :], tl.exp2(s * qk_scale - lse2[:, None]), 0.0)
-        dp = tl.dot(do, tl.trans(kv_v), input_precision=PRECISION)
-        # sm_scale folded into ds before the bf16 rounding, so dk and dv share one accumulator
-        ds = (p * (dp - delta[:, None]) * sm_scale).to(KV.dtype.element_ty)
-        p_op = p.to(KV.dtype.element_ty)
-        if UPCAST:
-            ds, p_op = ds.to(tl.float32), p_op.to(tl.float32)
-        acc_v += tl.dot(tl.trans(ds), q_v, input_precision=PRECISION)
-        acc_v += tl.dot(tl.trans(p_op), do, input_precision=PRECISION)
-        if HAS_TAIL:
-            acc_t += tl.dot(tl.trans(ds), q_t, input_precision=PRECISION)
+            acc_t += tl.dot(ds_t, q_t, input_precision=PRECISION)
     d_rows = DKV + bat * sdk_b + idx * sdk_s
     tl.atomic_add(d_rows[:, None] + dv[None, :], acc_v, mask=valid[:, None] & vmask[None, :], sem="relaxed")
     if HAS_TAIL:
@@ -369,28 +369,37 @@ class _SparseMLAFn(torch.autograd.Function):
         cfg = dict(BWD_CONFIG)
         block_h = _block_h(h, cfg.pop("BLOCK_H"))
         prec = "ieee" if q.dtype == torch.float32 else "tf32"
-        split = BWD_SPLIT
-        # the split backward's dq pass leaves delta (rowsum(dO * O)) here for the dkv pass; lse's layout
-        delta = torch.empty_like(lse) if split else lse  # unused (a placeholder pointer) by the fused backward
         common = dict(PRECISION=prec, UPCAST=_upcast(q), **_dims(d, v_dim))
-        if b and s and h:
+        n_sel = indices.shape[2]
+        if not (b and s and h and n_sel):
+            return dq, dkv.to(kv.dtype), None, None, None
+        bwd_args = (q.stride(0), q.stride(1), q.stride(2), kv.stride(0), kv.stride(1),
+                    indices.stride(0), indices.stride(1), out.stride(0), out.stride(1), out.stride(2),
+                    dout.stride(0), dout.stride(1), dout.stride(2), lse.stride(0), lse.stride(1),
+                    dq.stride(0), dq.stride(1), dq.stride(2), dkv.stride(0), dkv.stride(1))
+        if not BWD_SPLIT:  # lse stands in for the P/dS buffers, which the fused kernel does not touch
             _sparse_mla_bwd[(cdiv(h, block_h) * s, b)](
-                q, kv, indices, out, dout, lse, dq, dkv, delta,
-                q.stride(0), q.stride(1), q.stride(2), kv.stride(0), kv.stride(1),
-                indices.stride(0), indices.stride(1), out.stride(0), out.stride(1), out.stride(2),
-                dout.stride(0), dout.stride(1), dout.stride(2), lse.stride(0), lse.stride(1),
-                dq.stride(0), dq.stride(1), dq.stride(2), dkv.stride(0), dkv.stride(1),
-                h, kv.shape[1], indices.shape[2], v_dim, d - v_dim, scale * _LOG2E, scale,
-                BLOCK_H=block_h, WITH_DKV=not split, **common, **cfg)
-        if split and b and s and h and indices.shape[2]:
-            dcfg = dict(DKV_CONFIG)
-            dkv_block_h = _block_h(h, dcfg.pop("BLOCK_H"))
-            _sparse_mla_bwd_dkv[(cdiv(indices.shape[2], dcfg["BLOCK_N"]) * s, b)](
-                q, kv, indices, dout, lse, delta, dkv,
-                q.stride(0), q.stride(1), q.stride(2), kv.stride(0), kv.stride(1),
-                indices.stride(0), indices.stride(1), dout.stride(0), dout.stride(1), dout.stride(2),
-                lse.stride(0), lse.stride(1), dkv.stride(0), dkv.stride(1),
-                h, kv.shape[1], indices.shape[2], v_dim, d - v_dim, scale * _LOG2E, scale,
+                q, kv, indices, out, dout, lse, dq, dkv, lse, lse, *bwd_args, 0, 0,
+                0, h, kv.shape[1], n_sel, v_dim, d - v_dim, scale * _LOG2E, scale,
+                BLOCK_H=block_h, WITH_DKV=True, **common, **cfg)
+            return dq, dkv.to(kv.dtype), None, None, None
+        # The split backward walks the sequence in chunks of tokens whose P and dS fit SPLIT_BUFFER_BYTES.
+        chunk = max(1, min(s, SPLIT_BUFFER_BYTES // (2 * b * n_sel * h * q.element_size())))
+        probs = torch.empty((b, chunk, n_sel, h), dtype=q.dtype, device=q.device)
+        dscores = torch.empty_like(probs)
+        qcfg, dcfg = dict(DQ_CONFIG), dict(DKV_CONFIG)
+        dq_block_h, dkv_block_h = _block_h(h, qcfg.pop("BLOCK_H")), _block_h(h, dcfg.pop("BLOCK_H"))
+        for tok0 in range(0, s, chunk):
+            n = min(chunk, s - tok0)
+            _sparse_mla_bwd[(cdiv(h, dq_block_h) * n, b)](
+                q, kv, indices, out, dout, lse, dq, dkv, probs, dscores, *bwd_args, probs.stride(0),
+                probs.stride(1), tok0, h, kv.shape[1], n_sel, v_dim, d - v_dim, scale * _LOG2E, scale,
+                BLOCK_H=dq_block_h, WITH_DKV=False, **common, **qcfg)
+            _sparse_mla_bwd_dkv[(cdiv(n_sel, dcfg["BLOCK_N"]) * n, b)](
+                q, dout, indices, probs, dscores, dkv,
+                q.stride(0), q.stride(1), q.stride(2), indices.stride(0), indices.stride(1),
+                dout.stride(0), dout.stride(1), dout.stride(2), probs.stride(0), probs.stride(1),
+                dkv.stride(0), dkv.stride(1), tok0, h, kv.shape[1], n_sel, v_dim, d - v_dim,
                 BLOCK_H=dkv_block_h, **common, **dcfg)
         return dq, dkv.to(kv.dtype), None, None, None
 
