@@ -99,19 +99,21 @@ class Bench:
 
 
 @contextlib.contextmanager
-def _backward(split: bool) -> Iterator[None]:
-    """The sparse attention's backward inside: the split one (dq pass, then dkv pass) or the fused one."""
+def _backward(split: bool | None) -> Iterator[None]:
+    """The sparse attention's backward inside: the split one (dq pass, then dkv pass), the fused one, or (None)
+    the module's default."""
     from loong.kernels.dsa import attention
 
-    attention.BWD_SPLIT = split  # read when the backward runs
+    default = attention.BWD_SPLIT
+    attention.BWD_SPLIT = default if split is None else split  # read when the backward runs
     try:
         yield
     finally:
-        attention.BWD_SPLIT = False
+        attention.BWD_SPLIT = default
 
 
 def _split_backward_error(fn, q, kv, idx, dout, scale: float, v: int) -> list[float]:  # noqa: ANN001
-    """Relative L2 difference of (dq, dkv) between the split and the fused backward, summed slice by slice over
+    """Relative L2 difference of (dq, dkv) between the fused and the split backward, summed slice by slice over
     the sequence so that no fp32 copy of a 64K-token dq exists; nothing is kept for the timings."""
     grads = []
     for split in (False, True):
@@ -151,10 +153,10 @@ def bench_attention(b: Bench, s: int) -> None:
     fwd_flops = 2.0 * s * k * h * (d + v)
     n_valid = int((idx >= 0).sum())
     loong = lambda *x, **kw: sparse_mla_attention(*x, **kw, backend=b.backend)  # noqa: E731
-    impls = [("loong", loong, False), ("loong-split", loong, True), ("eager", sparse_mla_attention_reference, False)]
-    split_err = _split_backward_error(loong, q, kv, idx, dout, scale, v) if a.bwd_split else None
+    impls = [("loong", loong, None), ("loong-fused", loong, False), ("eager", sparse_mla_attention_reference, None)]
+    fused_err = _split_backward_error(loong, q, kv, idx, dout, scale, v) if a.compare_fused else None
     for impl, fn, split in impls:
-        if (impl == "eager" and not a.reference) or (impl == "loong-split" and not a.bwd_split):
+        if (impl == "eager" and not a.reference) or (impl == "loong-fused" and not a.compare_fused):
             continue
         row = {"op": "sparse_mla_attention", "seqlen": s, "impl": impl, "heads": h, "d_qk": d, "v_dim": v,
                "topk": k, "valid_pairs": n_valid, "dtype": str(a.dtype), "fwd_tflop": fwd_flops / 1e12}
@@ -169,8 +171,8 @@ def bench_attention(b: Bench, s: int) -> None:
                 torch.autograd.backward(out, dout, inputs=[q, kv])
             q.grad = kv.grad = None
 
-        if impl == "loong-split":
-            row["rel_err_vs_fused_bwd"] = split_err
+        if impl == "loong-fused":
+            row["rel_err_vs_split_bwd"] = fused_err
 
         b.measure(row, "fwd", fwd)
         b.measure(row, "fwd_bwd", fwd_bwd)
@@ -255,8 +257,8 @@ def main() -> None:
     p.add_argument("--fwd-config", help="attention forward blocks BLOCK_H,BLOCK_N,num_warps,num_stages")
     p.add_argument("--bwd-config", help="attention backward blocks BLOCK_H,BLOCK_N,num_warps,num_stages")
     p.add_argument("--indexer-config", help="indexer BLOCK_N,num_warps,per_sm")
-    p.add_argument("--bwd-split", action="store_true",
-                   help="also time the split backward (a dq pass, then a dkv pass summing all heads per atomic)")
+    p.add_argument("--compare-fused", action="store_true",
+                   help="also time the fused one-kernel backward (the default is the two-pass split one)")
     p.add_argument("--dq-config", help="split backward's dq pass BLOCK_H,BLOCK_N,num_warps,num_stages")
     p.add_argument("--dkv-config", help="split backward's dkv pass BLOCK_H,BLOCK_N,num_warps,num_stages")
     p.add_argument("--warmup-ms", type=float, default=100)

@@ -11,20 +11,24 @@ by all ``BLOCK_H`` heads for both ``q . k`` and ``p @ v`` (this sharing, as in F
 where the speed comes from: with H = 128 and BLOCK_H = 64 each selected row is gathered twice per token
 instead of 128 times). The softmax is online, in base 2, with fp32 statistics.
 
-Backward: the same grid. Each program recomputes its probabilities from the saved log-sum-exp, keeps
-``dq`` for its heads in registers, and adds ``dk + dv`` for the selected rows into an fp32 ``[B, S_kv, D]``
-buffer with ``tl.atomic_add``. Atomics were chosen over a deterministic scheme because a token is selected by
-a data-dependent, very uneven number of queries (the first tokens by nearly all of them): a sort-based
-inverse index would need either the per-(query, head, key) probabilities stored (``S*H*K``, tens of GB at
-64K) or the attention recomputed from the key side. The price is run-to-run bit differences in ``dkv``
-(fp32 sums in a varying order) and ``4 * B * S_kv * D`` bytes for the buffer.
+Backward, two passes (the default, ``BWD_SPLIT``). The dq pass has the forward's grid: each program recomputes
+its probabilities from the saved log-sum-exp, keeps ``dq`` for its heads in registers, and stores the
+probabilities P and the score gradients dS (bf16, ``[B, tokens, K, H]``, a chunk of tokens at a time so the two
+buffers stay under ``SPLIT_BUFFER_BYTES``, 1 GiB). The dkv pass, one program per (key tile, token), reads them
+and adds ``dS^T q + P^T dO`` summed over every head into an fp32 ``[B, S_kv, D]`` buffer, one ``tl.atomic_add``
+per element and tile. Nothing is recomputed; without a dkv accumulator the dq pass holds 64-head blocks, whose
+dots are large enough for Hopper's wgmma, and the dkv pass's dots reduce over the heads. Measured on an H200 at
+V3.2's shape: 158 TFLOP/s at 8K tokens, 143 at 64K (``benchmarks/dsa.py``, docs/kernels.md).
 
-Split backward (``BWD_SPLIT``): the same kernel without its atomics computes dq and stores the probabilities
-P and the score gradients dS (bf16, ``[B, tokens, K, H]``, a chunk of tokens at a time so the buffers stay
-under ``SPLIT_BUFFER_BYTES``); a second kernel, one program per (key tile, token), reads them and adds
-``dS^T q + P^T dO`` summed over every head with one atomic per element, where the fused backward adds once
-per head block. Nothing is recomputed, the dq pass has no dkv accumulator to hold, and the dkv pass's dots
-reduce over the heads.
+Atomics were chosen over a deterministic scheme because a token is selected by a data-dependent, very uneven
+number of queries (the first tokens by nearly all of them): a sort-based inverse index would need the
+attention recomputed from the key side or the per-(query, head, key) values kept for the whole sequence. The
+price is run-to-run bit differences in ``dkv`` (fp32 sums in a varying order) and ``4 * B * S_kv * D`` bytes
+for the buffer.
+
+Fused backward (``BWD_SPLIT = False``, 98 TFLOP/s at 8K): one kernel computes dq and adds dk + dv per head
+block with atomics, recomputing nothing either, but holding both accumulators: it needs no P/dS buffers, and
+its 32-head blocks stay on the older mma instructions.
 """
 
 from __future__ import annotations
@@ -43,21 +47,17 @@ except ImportError:  # pragma: no cover
 _LOG2E = math.log2(math.e)
 
 # Block configurations (BLOCK_H, BLOCK_N, num_warps, num_stages). The benchmark can override them to tune
-# on a new GPU (``benchmarks/dsa.py --fwd-config/--bwd-config``). The backward holds dq for BLOCK_H heads
-# (fp32, BLOCK_H x D) next to q and dO, so it uses a smaller key block.
-# Measured on the H200 (benchmarks/results/dsa_h200_quick_{a,b}_20261129.json, S=8K, H=128, D_qk=576):
-# forward 64/64/8 with 2 stages and backward with BLOCK_H=64 need 312 KB of shared memory (the limit is
-# 227 KB); forward 64/64/8/1 ran at 206 TFLOP/s, backward 32/32/8/1 at 85 TFLOP/s.
+# on a new GPU (``benchmarks/dsa.py --fwd-config/--bwd-config/--dq-config/--dkv-config``).
+# Measured on the H200 (S=8K, H=128, D_qk=576, top-k 2048): forward 64/64/8/1 at 206 TFLOP/s (64/64/8 with 2
+# stages needs 312 KB of shared memory; the limit is 227 KB). The two-pass backward: dq pass 64/64/8/1 and dkv
+# pass 64/32/8/1 at 158 TFLOP/s; a dkv pass of 64/64 ran at 48, of 128 heads out of shared memory
+# (benchmarks/results/dsa_bwd_sweep_h200_20261130.json). The fused backward (BWD_CONFIG) holds dq and a dkv
+# tile for BLOCK_H heads, so 32/32/8/1 (85-98 TFLOP/s) is the largest that fits.
 FWD_CONFIG: dict[str, int] = {"BLOCK_H": 64, "BLOCK_N": 64, "num_warps": 8, "num_stages": 1}
 BWD_CONFIG: dict[str, int] = {"BLOCK_H": 32, "BLOCK_N": 32, "num_warps": 8, "num_stages": 1}
-# The split backward (BWD_SPLIT): the backward kernel at DQ_CONFIG computes dq and stores P and dS (without the
-# dkv accumulator it has the registers for 64-head blocks, whose dots reach Hopper's wgmma), and a second kernel
-# (DKV_CONFIG: BLOCK_N keys per program, the heads BLOCK_H at a time as the dots' reduction) adds dkv summed over
-# all heads with one atomic per tile. SPLIT_BUFFER_BYTES bounds the two bf16 buffers (the sequence is walked in
-# chunks of tokens that fit).
-BWD_SPLIT = False
-DQ_CONFIG: dict[str, int] = {"BLOCK_H": 64, "BLOCK_N": 32, "num_warps": 8, "num_stages": 1}
-DKV_CONFIG: dict[str, int] = {"BLOCK_H": 64, "BLOCK_N": 64, "num_warps": 8, "num_stages": 1}
+BWD_SPLIT = True
+DQ_CONFIG: dict[str, int] = {"BLOCK_H": 64, "BLOCK_N": 64, "num_warps": 8, "num_stages": 1}
+DKV_CONFIG: dict[str, int] = {"BLOCK_H": 64, "BLOCK_N": 32, "num_warps": 8, "num_stages": 1}
 SPLIT_BUFFER_BYTES = 1 << 30
 _MAX_DIM = 1024  # padded value part; wider rows would not fit the tiles
 
