@@ -18,7 +18,7 @@ buffers stay under ``SPLIT_BUFFER_BYTES``, 1 GiB). The dkv pass, one program per
 and adds ``dS^T q + P^T dO`` summed over every head into an fp32 ``[B, S_kv, D]`` buffer, one ``tl.atomic_add``
 per element and tile. Nothing is recomputed; without a dkv accumulator the dq pass holds 64-head blocks, whose
 dots are large enough for Hopper's wgmma, and the dkv pass's dots reduce over the heads. Measured on an H200 at
-V3.2's shape: 158 TFLOP/s at 8K tokens, 143 at 64K (``benchmarks/dsa.py``, docs/kernels.md).
+V3.2's shape: 170 TFLOP/s at 8K tokens, 156 at 64K (``benchmarks/dsa_bwd_sweep.py``, docs/kernels.md).
 
 Atomics were chosen over a deterministic scheme because a token is selected by a data-dependent, very uneven
 number of queries (the first tokens by nearly all of them): a sort-based inverse index would need the
@@ -50,14 +50,14 @@ _LOG2E = math.log2(math.e)
 # on a new GPU (``benchmarks/dsa.py --fwd-config/--bwd-config/--dq-config/--dkv-config``).
 # Measured on the H200 (S=8K, H=128, D_qk=576, top-k 2048): forward 64/64/8/1 at 206 TFLOP/s (64/64/8 with 2
 # stages needs 312 KB of shared memory; the limit is 227 KB). The two-pass backward: dq pass 64/64/8/1 and dkv
-# pass 64/32/8/1 at 158 TFLOP/s; a dkv pass of 64/64 ran at 48, of 128 heads out of shared memory
-# (benchmarks/results/dsa_bwd_sweep_h200_20261130.json). The fused backward (BWD_CONFIG) holds dq and a dkv
+# pass 64/32/8/2 at 170 TFLOP/s (156 at 64K); with 1 stage 156 (141), a dkv pass of 64/64 ran at 48, of 128 heads
+# or 3 stages out of shared memory (benchmarks/results/dsa_bwd_sweep_h200_*). The fused backward (BWD_CONFIG) holds dq and a dkv
 # tile for BLOCK_H heads, so 32/32/8/1 (85-98 TFLOP/s) is the largest that fits.
 FWD_CONFIG: dict[str, int] = {"BLOCK_H": 64, "BLOCK_N": 64, "num_warps": 8, "num_stages": 1}
 BWD_CONFIG: dict[str, int] = {"BLOCK_H": 32, "BLOCK_N": 32, "num_warps": 8, "num_stages": 1}
 BWD_SPLIT = True
 DQ_CONFIG: dict[str, int] = {"BLOCK_H": 64, "BLOCK_N": 64, "num_warps": 8, "num_stages": 1}
-DKV_CONFIG: dict[str, int] = {"BLOCK_H": 64, "BLOCK_N": 32, "num_warps": 8, "num_stages": 1}
+DKV_CONFIG: dict[str, int] = {"BLOCK_H": 64, "BLOCK_N": 32, "num_warps": 8, "num_stages": 2}
 SPLIT_BUFFER_BYTES = 1 << 30
 _MAX_DIM = 1024  # padded value part; wider rows would not fit the tiles
 
