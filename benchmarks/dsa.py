@@ -132,22 +132,32 @@ def _split_backward_error(fn, q, kv, idx, dout, scale: float, v: int) -> list[fl
     return errs
 
 
+def attention_inputs(s: int, h: int, d: int, v: int, k: int, index_heads: int, index_dim: int, dtype: torch.dtype,
+                     dev: str, backend: str) -> tuple[torch.Tensor, ...]:
+    """Seeded ``q [1, s, h, d]``, ``kv [1, s, d]`` (both requiring grad), top-``k`` indices and ``dout [1, s, h, v]``.
+
+    Realistic indices: the indexer's own (causal, -1 padded on the first K rows) on random indexer inputs.
+    """
+    from loong.kernels.dsa import indexer_topk
+
+    g = torch.Generator(device=dev).manual_seed(0)
+    q = torch.randn(1, s, h, d, device=dev, generator=g).to(dtype).requires_grad_()
+    kv = torch.randn(1, s, d, device=dev, generator=g).to(dtype).requires_grad_()
+    iq = torch.randn(1, s, index_heads, index_dim, device=dev, generator=g).to(dtype)
+    ik = torch.randn(1, s, index_dim, device=dev, generator=g).to(dtype)
+    iw = torch.randn(1, s, index_heads, device=dev, generator=g) * index_heads ** -0.5
+    with torch.no_grad():
+        idx = indexer_topk(iq, ik, iw, k, backend=backend)
+    dout = torch.randn(1, s, h, v, device=dev, generator=g).to(dtype)
+    return q, kv, idx, dout
+
+
 def bench_attention(b: Bench, s: int) -> None:
-    from loong.kernels.dsa import indexer_topk, sparse_mla_attention, sparse_mla_attention_reference
+    from loong.kernels.dsa import sparse_mla_attention, sparse_mla_attention_reference
 
     a = b.args
     h, d, v, k = a.heads, a.d_qk, a.v_dim, a.topk
-    g = torch.Generator(device=b.dev).manual_seed(0)
-    q = torch.randn(1, s, h, d, device=b.dev, generator=g).to(a.dtype).requires_grad_()
-    kv = torch.randn(1, s, d, device=b.dev, generator=g).to(a.dtype).requires_grad_()
-    # Realistic indices: the indexer's own (causal, -1 padded on the first K rows).
-    iq = torch.randn(1, s, a.index_heads, a.index_dim, device=b.dev, generator=g).to(a.dtype)
-    ik = torch.randn(1, s, a.index_dim, device=b.dev, generator=g).to(a.dtype)
-    iw = torch.randn(1, s, a.index_heads, device=b.dev, generator=g) * a.index_heads ** -0.5
-    with torch.no_grad():
-        idx = indexer_topk(iq, ik, iw, k, backend=b.backend)
-    del iq, ik, iw
-    dout = torch.randn(1, s, h, v, device=b.dev, generator=g).to(a.dtype)
+    q, kv, idx, dout = attention_inputs(s, h, d, v, k, a.index_heads, a.index_dim, a.dtype, b.dev, b.backend)
     scale = d ** -0.5
     # The issue's count, S * K pairs: the kernel computes every slot (the first K rows' -1 slots masked).
     fwd_flops = 2.0 * s * k * h * (d + v)

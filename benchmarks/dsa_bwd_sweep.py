@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 from _env import host, versions  # benchmarks/_env.py (run as scripts from the repo root)
+from dsa import attention_inputs
 
 KEYS = ("BLOCK_H", "BLOCK_N", "num_warps", "num_stages")
 
@@ -53,19 +54,11 @@ def main() -> None:
         sys.exit("dsa_bwd_sweep.py needs a CUDA GPU")
     from triton.testing import do_bench
 
-    from loong.kernels.dsa import attention, indexer_topk, sparse_mla_attention
+    from loong.kernels.dsa import attention, sparse_mla_attention
 
     t0 = time.time()
     s, h, d, v, k = args.seqlen, args.heads, 576, 512, args.topk
-    g = torch.Generator(device="cuda").manual_seed(0)
-    q = torch.randn(1, s, h, d, device="cuda", generator=g).bfloat16().requires_grad_()
-    kv = torch.randn(1, s, d, device="cuda", generator=g).bfloat16().requires_grad_()
-    iq = torch.randn(1, s, 64, 128, device="cuda", generator=g).bfloat16()
-    ik = torch.randn(1, s, 128, device="cuda", generator=g).bfloat16()
-    iw = torch.randn(1, s, 64, device="cuda", generator=g) * 64 ** -0.5
-    with torch.no_grad():
-        idx = indexer_topk(iq, ik, iw, k, backend="triton")  # the indexer's own causal selection
-    dout = torch.randn(1, s, h, v, device="cuda", generator=g).bfloat16()
+    q, kv, idx, dout = attention_inputs(s, h, d, v, k, 64, 128, torch.bfloat16, "cuda", "triton")  # dsa.py's inputs
     bwd_tflop = 2.5 * 2.0 * s * k * h * (d + v) / 1e12
     out, _ = sparse_mla_attention(q, kv, idx, softmax_scale=d ** -0.5, v_dim=v, backend="triton")
     rows: list[dict] = []

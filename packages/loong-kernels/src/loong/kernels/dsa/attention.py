@@ -16,7 +16,8 @@ its probabilities from the saved log-sum-exp, keeps ``dq`` for its heads in regi
 probabilities P and the score gradients dS (bf16, ``[B, tokens, K, H]``, a chunk of tokens at a time so the two
 buffers stay under ``SPLIT_BUFFER_BYTES``, 1 GiB). The dkv pass, one program per (key tile, token), reads them
 and adds ``dS^T q + P^T dO`` summed over every head into an fp32 ``[B, S_kv, D]`` buffer, one ``tl.atomic_add``
-per element and tile. Nothing is recomputed; without a dkv accumulator the dq pass holds 64-head blocks, whose
+per element and tile. Nothing is computed twice (q.k is recomputed once from the log-sum-exp, as in any
+flash-style backward); without a dkv accumulator the dq pass holds 64-head blocks, whose
 dots are large enough for Hopper's wgmma, and the dkv pass's dots reduce over the heads. Measured on an H200 at
 V3.2's shape: 170 TFLOP/s at 8K tokens, 156 at 64K (``benchmarks/dsa_bwd_sweep.py``, docs/kernels.md).
 
@@ -27,7 +28,7 @@ price is run-to-run bit differences in ``dkv`` (fp32 sums in a varying order) an
 for the buffer.
 
 Fused backward (``BWD_SPLIT = False``, 98 TFLOP/s at 8K): one kernel computes dq and adds dk + dv per head
-block with atomics, recomputing nothing either, but holding both accumulators: it needs no P/dS buffers, and
+block with atomics, holding both accumulators: it needs no P/dS buffers, and
 its 32-head blocks stay on the older mma instructions.
 """
 
