@@ -1,4 +1,4 @@
-"""FP8 on a model (``loong.core.precision.apply``), with emulated GEMMs on CPU: which layers convert, keys and
+"""FP8 on a model (``loong.core.engines.megatron.fp8``), with emulated GEMMs on CPU: which layers convert, keys and
 types unchanged, megatron DDP's ``main_grad`` filled, SGD following fp32, LoRA layers, tensor parallelism
 (2 gloo processes), the ``precision`` config and the start-up checks. Numerics of the FP8 linear itself and
 the GPU tests are in ``test_fp8.py``.
@@ -32,7 +32,7 @@ def _probed(recipe: str, speedup: float, m: int, n: int, k: int) -> list[Entry]:
 @contextlib.contextmanager
 def _world() -> Iterator[tuple]:
     from loong.core.accelerators import select_accelerator
-    from loong.core.parallel import world
+    from loong.core.engines.megatron.layout import world
 
     acc = select_accelerator("cpu")
     with world(acc) as layout:
@@ -69,7 +69,7 @@ def _loss(model, batch) -> torch.Tensor:  # noqa: ANN001
 def test_convert_tiny_gpt_keeps_keys_and_matches_fp32() -> None:
     from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 
-    from loong.core.precision import convert_linears, plan_fp8, remove_fp8
+    from loong.core.engines.megatron.fp8 import convert_linears, plan_fp8, remove_fp8
 
     with _world() as (_acc, layout):
         model, _ = _gpt(layout)
@@ -100,7 +100,7 @@ def test_convert_tiny_gpt_keeps_keys_and_matches_fp32() -> None:
 
 
 def test_exclude_and_native_dimension_rules() -> None:
-    from loong.core.precision import plan_fp8
+    from loong.core.engines.megatron.fp8 import plan_fp8
 
     with _world() as (_acc, layout):
         model, _ = _gpt(layout)
@@ -117,8 +117,7 @@ def test_exclude_and_native_dimension_rules() -> None:
 
 
 def test_adaptive_plan_follows_the_table() -> None:
-    from loong.core.precision import plan_fp8
-    from loong.core.precision.apply import summarize
+    from loong.core.engines.megatron.fp8 import plan_fp8, summarize
 
     with _world() as (_acc, layout):
         model, _ = _gpt(layout)
@@ -142,7 +141,7 @@ def test_ddp_main_grads_and_training_with_fp8(recipe: str) -> None:
     fp32's loss curve."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
-    from loong.core.precision import convert_linears, plan_fp8
+    from loong.core.engines.megatron.fp8 import convert_linears, plan_fp8
 
     with _world() as (_acc, layout):
         grads, losses = [], []
@@ -177,7 +176,7 @@ def test_ddp_main_grads_and_training_with_fp8(recipe: str) -> None:
 
 
 def test_lora_layers_convert_below_their_adapters() -> None:
-    from loong.core.precision import convert_linears, plan_fp8
+    from loong.core.engines.megatron.fp8 import convert_linears, plan_fp8
     from loong.llm.lora import apply_lora
     from loong.llm.models.config import LoraConfig
 
@@ -222,7 +221,7 @@ def test_precision_config_keys_and_errors() -> None:
 def test_start_up_checks_capability_then_dtype() -> None:
     from loong.core.accelerators import select_accelerator
     from loong.core.accelerators.base import Accelerator
-    from loong.core.precision import check_precision
+    from loong.core.engines.megatron.fp8 import check_precision
 
     check_precision(PrecisionConfig(), select_accelerator("cpu"), torch.float32)  # off: nothing to check
     with pytest.raises(LoongError, match="the 'cpu' accelerator does not report it"):
@@ -269,9 +268,9 @@ def test_megatron_engine_runs_fp8_end_to_end(capsys: pytest.CaptureFixture[str])
     emulate): the start-up check, the plan log, conversion under Float16Module and DDP, bf16 training."""
     from loong.core.accelerators.cpu import CPUAccelerator
     from loong.core.config import compose_config
-    from loong.core.engines.megatron import MegatronEngine
-    from loong.core.parallel import init_distributed, shutdown_distributed
-    from loong.core.state import unwrap
+    from loong.core.engines.megatron.engine import MegatronEngine
+    from loong.core.engines.megatron.layout import init_distributed, shutdown_distributed
+    from loong.core.engines.megatron.state import unwrap
     from loong.llm.pretrain import PretrainTask
     from loong.llm.schema import LLMRunConfig
 

@@ -13,7 +13,7 @@ import torch
 def cpu_world():  # noqa: ANN201
     """``(accelerator, layout)`` of a one-process CPU world, for the module's tests."""
     from loong.core.accelerators import select_accelerator
-    from loong.core.parallel import world
+    from loong.core.engines.megatron.layout import world
 
     acc = select_accelerator("cpu")
     with world(acc) as layout:

@@ -107,7 +107,7 @@ def resumed(first_run: dict) -> dict:
 @pytest.fixture(scope="module")
 def failed_save(resumed: dict) -> dict:
     """Resume to 18 with a save every 3 steps; the engine's save fails half-way at step 15."""
-    from loong.core.engines.megatron import MegatronEngine
+    from loong.core.engines.megatron.engine import MegatronEngine
 
     run = resumed["run"]
     good = run / "checkpoints" / f"step_{RESUMED:08d}"

@@ -10,7 +10,7 @@ from megatron.core.models.common.embeddings.rope_utils import get_pos_emb_on_thi
 
 from loong.core.accelerators import select_accelerator
 from loong.core.config import compose_config
-from loong.core.context_parallel import cp_chunks, split_for_cp_rank
+from loong.core.engines.megatron.context_parallel import cp_chunks, split_for_cp_rank
 from loong.core.errors import LoongError
 from loong.llm.pretrain import PretrainTask
 from loong.llm.schema import LLMRunConfig

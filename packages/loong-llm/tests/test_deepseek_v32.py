@@ -19,9 +19,9 @@ from transformers import AutoModelForCausalLM, DeepseekV32Config
 from loong.core.accelerators import select_accelerator
 from loong.core.config import compose_config
 from loong.core.config.schema import ParallelConfig
+from loong.core.engines.megatron.layout import world
+from loong.core.engines.megatron.state import gather_full_state, load_full_state
 from loong.core.errors import LoongError
-from loong.core.parallel import world
-from loong.core.state import gather_full_state, load_full_state
 from loong.llm.hf import model_config_from_hf
 from loong.llm.hf_io import read_hf_folder, write_hf_folder
 from loong.llm.models.build import build_gpt_model, transformer_config

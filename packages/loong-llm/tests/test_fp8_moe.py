@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from loong.core.config.schema import PrecisionConfig
-from loong.core.precision import convert_linears, plan_fp8
+from loong.core.engines.megatron.fp8 import convert_linears, plan_fp8
 from loong.llm.models.config import DenseModelConfig
 
 MOE = DenseModelConfig(family="qwen3_moe", num_layers=2, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4,

@@ -14,9 +14,9 @@ import torch
 
 from loong.core.accelerators import select_accelerator
 from loong.core.config.schema import ParallelConfig
+from loong.core.engines.megatron.layout import world
+from loong.core.engines.megatron.state import gather_full_state, load_full_state
 from loong.core.errors import LoongError
-from loong.core.parallel import world
-from loong.core.state import gather_full_state, load_full_state
 from loong.llm.models.build import build_gpt_model, transformer_config
 from loong.llm.models.config import DenseModelConfig, RopeScaling
 from loong.llm.models.fused import FusedKernels, FusedRMSNorm, FusedSwiGLU, resolve_fused_kernels

@@ -16,7 +16,7 @@ def cuda_layout():
     """A world of one on the GPU, per test (a training run in between tears process groups down)."""
     from loong.core.accelerators import select_accelerator
     from loong.core.config.schema import ParallelConfig
-    from loong.core.parallel import init_distributed, shutdown_distributed
+    from loong.core.engines.megatron.layout import init_distributed, shutdown_distributed
 
     if not torch.cuda.is_available():
         pytest.fail("gpu tests need CUDA")
@@ -56,7 +56,7 @@ def test_cuda_accelerator_is_chosen_with_bf16(cuda_layout) -> None:  # noqa: ANN
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-5), (torch.bfloat16, 3e-2)])
 def test_sdpa_attention_matches_megatron_local_attention(cuda_layout, dtype, tol) -> None:  # noqa: ANN001
-    from loong.core.state import gather_full_state, load_full_state
+    from loong.core.engines.megatron.state import gather_full_state, load_full_state
     from loong.llm.models.config import DenseModelConfig
 
     acc, layout = cuda_layout
@@ -146,7 +146,7 @@ def test_lora_trains_in_bf16_on_gpu_and_exports_merged(tiny_llama_hf: Path, tmp_
 def _fused_trio(acc, layout, cfg):  # noqa: ANN001, ANN202
     """(unfused bf16, fused bf16, unfused fp32 oracle) with the same (bf16-representable) weights."""
     from loong.core.config.schema import ParallelConfig
-    from loong.core.state import gather_full_state, load_full_state
+    from loong.core.engines.megatron.state import gather_full_state, load_full_state
     from loong.llm.models import build
     from loong.llm.models.fused import FusedKernels
 

@@ -10,9 +10,9 @@ from transformers import AutoConfig, AutoModelForCausalLM, GPT2Config, LlamaConf
 
 from loong.core.accelerators import select_accelerator
 from loong.core.config.schema import ParallelConfig
+from loong.core.engines.megatron.layout import init_distributed, shutdown_distributed
+from loong.core.engines.megatron.state import gather_full_state, load_full_state
 from loong.core.errors import LoongError
-from loong.core.parallel import init_distributed, shutdown_distributed
-from loong.core.state import gather_full_state, load_full_state
 from loong.llm.hf_io import INDEX, read_hf_folder, write_hf_folder
 from loong.llm.models.build import build_gpt_model, transformer_config
 from loong.llm.models.hf_mapping import family_for_hf_config, hf_to_native, native_to_hf

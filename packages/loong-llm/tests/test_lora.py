@@ -34,7 +34,7 @@ TRAIN = ["train.steps=8", "train.seq_length=32", "train.global_batch_size=4", "t
 def _world() -> Iterator[tuple]:
     """A world of one on the CPU accelerator."""
     from loong.core.accelerators import select_accelerator
-    from loong.core.parallel import world
+    from loong.core.engines.megatron.layout import world
 
     acc = select_accelerator("cpu")
     with world(acc) as layout:
@@ -97,7 +97,7 @@ def test_step0_equals_base_model_and_only_adapters_are_trainable(tiny_llama_hf: 
 
 def test_merged_hf_folder_matches_loong_with_adapters(tiny_llama_hf: Path, tmp_path: Path) -> None:
     """merge_lora → native_to_hf → write_hf_folder → from_pretrained gives Loong's base+adapter logits."""
-    from loong.core.state import gather_full_state
+    from loong.core.engines.megatron.state import gather_full_state
     from loong.llm.hf import load_hf_into, model_config_from_hf
     from loong.llm.hf_io import write_hf_folder
     from loong.llm.lora import adapter_shapes, apply_lora, is_adapter_key, load_adapter_state, merge_lora
@@ -230,7 +230,7 @@ def test_resumed_lora_run_continues_with_the_same_losses(runs: dict[str, Path]) 
 def test_convert_merge_lora_end_to_end(runs: dict[str, Path]) -> None:
     from loong.core.checkpoint import read_config, resolve_checkpoint
     from loong.core.config import from_dict
-    from loong.core.state import load_full_state
+    from loong.core.engines.megatron.state import load_full_state
     from loong.llm.lora import apply_lora
     from loong.llm.schema import LLMRunConfig
 

@@ -3,7 +3,7 @@ one 1-process gloo launch).
 
 At EP > 1 megatron-core builds a ChainedOptimizer (dense + expert parameters) whose sharded keys were
 ``chained_<i>.``-prefixed, unlike the EP = 1 optimiser's; Loong writes the plain optimiser's state in one
-layout-independent form (``loong.core.checkpoint.optimizer``). Each case resumes a checkpoint saved after 2 of
+layout-independent form (``loong.core.engines.megatron.optimizer_state``). Each case resumes a checkpoint saved after 2 of
 4 Adam steps: the Adam moments right after the restore, gathered to whole tensors, equal the ones written;
 the step count is the saved one; the losses of steps 3 and 4 are those of the uninterrupted run.
 """

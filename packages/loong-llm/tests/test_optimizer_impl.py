@@ -18,9 +18,9 @@ from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
 from loong.core.accelerators.cpu import CPUAccelerator
 from loong.core.config import compose_config
-from loong.core.engines.megatron import MegatronEngine
+from loong.core.engines.megatron.engine import MegatronEngine
+from loong.core.engines.megatron.layout import init_distributed, shutdown_distributed
 from loong.core.errors import LoongError
-from loong.core.parallel import init_distributed, shutdown_distributed
 from loong.llm.pretrain import PretrainTask
 from loong.llm.schema import LLMRunConfig
 

@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from loong.core.config.schema import ParallelConfig
+from loong.core.engines.megatron.state import gather_full_state, load_full_state
 from loong.core.errors import LoongError
-from loong.core.state import gather_full_state, load_full_state
 from loong.llm.models.build import transformer_config
 from loong.llm.models.config import DenseModelConfig
 

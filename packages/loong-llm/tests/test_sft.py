@@ -240,7 +240,7 @@ def cpu():
     """A world of one on the CPU accelerator (per test: the end-to-end run makes its own)."""
     from loong.core.accelerators import select_accelerator
     from loong.core.config.schema import ParallelConfig
-    from loong.core.parallel import init_distributed, shutdown_distributed
+    from loong.core.engines.megatron.layout import init_distributed, shutdown_distributed
 
     acc = select_accelerator("cpu")
     with acc.activate():

@@ -16,8 +16,9 @@ import torch.distributed as dist
 
 from loong.core.accelerators import select_accelerator
 from loong.core.config.schema import ParallelConfig
-from loong.core.parallel import init_distributed, shutdown_distributed
-from loong.core.precision import RECIPES, convert_to_fp8
+from loong.core.engines.megatron.fp8 import convert_to_fp8
+from loong.core.engines.megatron.layout import init_distributed, shutdown_distributed
+from loong.core.precision import RECIPES
 
 S, B, H, F = 64, 2, 128, 256
 

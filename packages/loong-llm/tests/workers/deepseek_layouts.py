@@ -24,7 +24,7 @@ from layouts import build, one_step_grads  # noqa: E402
 
 from loong.core.accelerators import select_accelerator  # noqa: E402
 from loong.core.config.schema import to_dict  # noqa: E402
-from loong.core.engines.megatron import MegatronEngine  # noqa: E402
+from loong.core.engines.megatron.engine import MegatronEngine  # noqa: E402
 from loong.core.trainer import Trainer  # noqa: E402
 from loong.llm.hf_io import read_hf_folder  # noqa: E402
 

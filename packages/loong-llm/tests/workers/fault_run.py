@@ -25,9 +25,9 @@ import sys
 
 import torch
 
+from loong.core.engines.megatron.state import unwrap
 from loong.core.registry import TASKS
 from loong.core.run import train
-from loong.core.state import unwrap
 from loong.llm.pretrain import PretrainTask
 from loong.llm.schema import LLMRunConfig
 

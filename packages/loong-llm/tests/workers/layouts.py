@@ -19,9 +19,9 @@ import torch.distributed as dist
 
 from loong.core.accelerators import select_accelerator
 from loong.core.config import compose_config
-from loong.core.engines.megatron import MegatronEngine
-from loong.core.parallel import init_distributed
-from loong.core.state import gather_full_state
+from loong.core.engines.megatron.engine import MegatronEngine
+from loong.core.engines.megatron.layout import init_distributed
+from loong.core.engines.megatron.state import gather_full_state
 from loong.core.trainer import Trainer
 from loong.llm.pretrain import PretrainTask
 from loong.llm.schema import LLMRunConfig

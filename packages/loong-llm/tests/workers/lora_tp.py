@@ -17,8 +17,8 @@ import torch
 import torch.distributed as dist
 
 from loong.core.accelerators import select_accelerator
-from loong.core.engines.megatron import MegatronEngine
-from loong.core.state import gather_full_state, unwrap
+from loong.core.engines.megatron.engine import MegatronEngine
+from loong.core.engines.megatron.state import gather_full_state, unwrap
 from loong.llm.hf_io import read_hf_folder
 from loong.llm.lora import adapter_shapes, is_adapter_key, load_adapter_state
 from loong.llm.models.hf_mapping import hf_to_native

@@ -32,9 +32,9 @@ from layouts import build  # noqa: E402
 
 from loong.core.accelerators import select_accelerator  # noqa: E402
 from loong.core.config.schema import to_dict  # noqa: E402
-from loong.core.engines.megatron import MegatronEngine  # noqa: E402
+from loong.core.engines.megatron.engine import MegatronEngine  # noqa: E402
+from loong.core.engines.megatron.state import gather_full_state  # noqa: E402
 from loong.core.errors import LoongError  # noqa: E402
-from loong.core.state import gather_full_state  # noqa: E402
 from loong.core.trainer import Trainer  # noqa: E402
 
 STEPS, SAVE_AT = 4, 2

@@ -17,8 +17,8 @@ import torch
 import torch.distributed as dist
 
 from loong.core.accelerators import select_accelerator
-from loong.core.engines.megatron import MegatronEngine
-from loong.core.state import gather_full_state
+from loong.core.engines.megatron.engine import MegatronEngine
+from loong.core.engines.megatron.state import gather_full_state
 from loong.llm.sft.task import SFTTask
 
 sys.path.insert(0, str(Path(__file__).parent))

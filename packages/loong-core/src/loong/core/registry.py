@@ -98,4 +98,4 @@ TASKS: Registry = Registry("task")
 ENGINES: Registry = Registry("engine")
 CONFIG_DIRS: Registry = Registry("config source")
 
-ENGINES.add_lazy("megatron", "loong.core.engines.megatron:MegatronEngine")
+ENGINES.add_lazy("megatron", "loong.core.engines.megatron.engine:MegatronEngine")

@@ -1,4 +1,8 @@
-"""The walk of one training run: config → accelerator → process groups → task → engine → trainer."""
+"""The walk of one training run: config → accelerator → process groups → task → engine → trainer.
+
+Engine-neutral: the engine class named by ``engine`` (and required by the task) sets up its own groups, seeds
+and adaptations; nothing here imports an engine's library.
+"""
 
 from __future__ import annotations
 
@@ -13,7 +17,6 @@ from loong.core.accelerators import select_accelerator
 from loong.core.checkpoint import newest_good, read_config, read_state, resolve_checkpoint, verify_checkpoint
 from loong.core.config import compose_config, from_dict, to_dict
 from loong.core.errors import LoongError
-from loong.core.parallel import init_distributed, shutdown_distributed
 from loong.core.registry import ENGINES, TASKS
 from loong.core.trainer import Trainer, TrainResult
 
@@ -69,16 +72,17 @@ def train(config_module: str, config_name: str, overrides: list[str], schema: ty
         cfg = from_dict(schema, plain)
     task_cls = TASKS.get(cfg.task)
     engine_cls = ENGINES.get(cfg.engine)
+    if task_cls.engine != cfg.engine:
+        raise LoongError(f"engine: task {cfg.task!r} runs on the {task_cls.engine!r} engine, not {cfg.engine!r}; "
+                         f"set engine={task_cls.engine}")
+    engine_cls.check_config(cfg)
     task_cls.check_config(cfg)  # may complete the config (e.g. the model shape of an HF folder)
     plain = to_dict(cfg)
     accelerator = select_accelerator()
-    with accelerator.activate():
-        layout = init_distributed(accelerator, cfg.parallel)
+    with engine_cls.activate(accelerator):
+        layout = engine_cls.init_layout(accelerator, cfg)
         try:
-            accelerator.manual_seed(cfg.train.seed)
-            from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
-
-            model_parallel_cuda_manual_seed(cfg.train.seed)
+            engine_cls.seed(cfg.train.seed, accelerator, layout)
             task = task_cls(cfg, accelerator, layout)
             task.setup_data()
             run_dir = _run_dir(cfg)
@@ -98,9 +102,8 @@ def train(config_module: str, config_name: str, overrides: list[str], schema: ty
                     for note in trainer.restore_notes:
                         echo(note)
             if layout.is_logging_rank:
-                extra = "".join(f" {k}={v}" for k, v in (("cp", layout.cp), ("ep", layout.config.ep)) if v > 1)
-                echo(f"run directory: {run_dir}  ({accelerator.name}, world {layout.world_size}: "
-                     f"tp={layout.tp} pp={layout.pp}{extra} dp={layout.dp})")
+                echo(f"run directory: {run_dir}  ({accelerator.name}, {cfg.engine} engine, world "
+                     f"{layout.world_size}: {layout.describe()})")
             return trainer.fit(start)
         finally:
-            shutdown_distributed()
+            engine_cls.shutdown()

@@ -1,4 +1,16 @@
-"""The task seam: what a modality contributes to a run (model, data, loss), and nothing else."""
+"""The task seam: what a modality contributes to a run (model, data, loss), and nothing else.
+
+:class:`Task` is what every engine and the trainer need: config checks, data, accounting, task state and
+artefacts. How the model is built and how its loss is computed depends on the engine, so each engine defines
+the small interface it needs on top:
+
+- ``megatron`` (:class:`loong.core.engines.megatron.task.MegatronTask`): ``model_config`` → a
+  ``TransformerConfig``, ``build_model`` of one pipeline chunk, ``forward_step`` → ``(output, loss_func)``;
+- ``fsdp`` (:class:`loong.core.engines.fsdp.task.FSDPTask`): ``build_model()`` → a plain ``nn.Module`` and
+  ``loss(model, batch)`` → ``(loss, metrics)``.
+
+A task names its engine (``engine = "fsdp"``); the run refuses a config whose ``engine`` differs.
+"""
 
 from __future__ import annotations
 
@@ -7,44 +19,28 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from loong.core.accelerators.base import Accelerator
-from loong.core.config.schema import RunConfig
 from loong.core.parallel import ParallelLayout
 
 
 class Task(ABC):
     """A modality's training task. The engine builds and steps the model; the trainer runs the loop.
 
-    Subclasses register with ``@TASKS.register("llm.pretrain")`` and name their engine.
+    Subclasses register with ``@TASKS.register("llm.pretrain")`` and subclass their engine's task class.
     """
 
-    engine: str = "megatron"
+    engine: str = ""
 
-    def __init__(self, cfg: RunConfig, accelerator: Accelerator, layout: ParallelLayout) -> None:
+    def __init__(self, cfg: Any, accelerator: Accelerator, layout: ParallelLayout) -> None:
         self.cfg = cfg
         self.accelerator = accelerator
         self.layout = layout
 
     @classmethod
-    def check_config(cls, cfg: RunConfig) -> None:
+    def check_config(cls, cfg: Any) -> None:
         """Cheap checks of the composed config, before distributed init, data or model (raise LoongError)."""
 
-    # --- model -----------------------------------------------------------------------------
-    @abstractmethod
-    def model_config(self, dtype: torch.dtype) -> Any:
-        """The engine-level model config (megatron-core ``TransformerConfig`` for ``megatron``)."""
-
-    @abstractmethod
-    def build_model(self, config: Any, pre_process: bool, post_process: bool,
-                    vp_stage: int | None) -> torch.nn.Module:
-        """One pipeline chunk of the model."""
-
-    def init_weights(self, model_chunks: list[torch.nn.Module]) -> None:
-        """Called once after a fresh build (not on resume): e.g. load Hugging Face weights."""
-
-    # --- data and loss ---------------------------------------------------------------------
+    # --- data --------------------------------------------------------------------------------
     @abstractmethod
     def setup_data(self) -> None:
         """Read / tokenise / index the data (called once, before training)."""
@@ -74,10 +70,6 @@ class Task(ABC):
     def eval_microbatches(self, index: int, num_microbatches: int) -> Iterator[dict]:
         """This DP rank's micro-batches for evaluation batch ``index``."""
 
-    @abstractmethod
-    def forward_step(self, data_iterator: Iterator[dict], model: torch.nn.Module) -> tuple[Any, Any]:
-        """megatron-core forward step: returns (output, loss_func)."""
-
     # --- accounting and artefacts ----------------------------------------------------------
     @abstractmethod
     def tokens_per_step(self) -> int:
@@ -102,6 +94,7 @@ class Task(ABC):
     def save_artifacts(self, checkpoint_dir: Path) -> None:
         """Write task files beside a checkpoint (e.g. the tokenizer). Called on the logging rank."""
 
-    def export(self, model_chunks: list[torch.nn.Module], out_dir: Path) -> Path | None:
-        """Export the trained model to the field's format (``train.save_hf``); collective."""
+    def export(self, model: Any, out_dir: Path) -> Path | None:
+        """Export the trained model to the field's format (``train.save_hf``); collective. ``model`` is what the
+        engine trains: megatron's list of model chunks, the fsdp engine's (sharded) module."""
         return None

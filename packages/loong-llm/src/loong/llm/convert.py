@@ -14,8 +14,8 @@ import torch
 from loong.core.accelerators import select_accelerator
 from loong.core.checkpoint import CheckpointManager, read_config, resolve_checkpoint
 from loong.core.config.schema import ParallelConfig, from_dict
+from loong.core.engines.megatron.layout import init_distributed, shutdown_distributed
 from loong.core.errors import LoongError
-from loong.core.parallel import init_distributed, shutdown_distributed
 from loong.llm.hf import load_hf_into, model_config_from_hf, write_hf
 from loong.llm.lora import is_adapter_key
 from loong.llm.lora import merge_lora as merge

@@ -14,8 +14,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from loong.core.engines.megatron.state import gather_full_state, load_full_state
 from loong.core.errors import LoongError
-from loong.core.state import gather_full_state, load_full_state
 from loong.llm.hf_io import read_hf_folder, write_hf_folder
 from loong.llm.models.config import TRAINING_FIELDS, DenseModelConfig
 from loong.llm.models.hf_mapping import family_by_name, family_for_hf_config, hf_to_native, native_to_hf

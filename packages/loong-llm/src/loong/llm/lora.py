@@ -46,8 +46,8 @@ from megatron.core.transformer.mlp import MLP, apply_swiglu_sharded_factory
 from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group
 from megatron.core.utils import make_tp_sharded_tensor_for_checkpoint
 
+from loong.core.engines.megatron.state import load_full_state, sharded_tensors, unwrap
 from loong.core.errors import LoongError
-from loong.core.state import load_full_state, sharded_tensors, unwrap
 from loong.llm.models.config import LoraConfig
 
 A_SUFFIX, B_SUFFIX = ".lora_A.weight", ".lora_B.weight"
@@ -220,7 +220,7 @@ def load_adapter_state(model_chunks: list[torch.nn.Module], full: Mapping[str, t
 
 
 def load_base_state(model_chunks: list[torch.nn.Module], full: Mapping[str, torch.Tensor]) -> None:
-    """``loong.core.state.load_full_state`` for every tensor but the adapters (e.g. HF weights)."""
+    """``loong.core.engines.megatron.state.load_full_state`` for every tensor but the adapters (e.g. HF weights)."""
     _load_whole(model_chunks, full, lambda key: not is_adapter_key(key))
 
 

@@ -9,10 +9,10 @@ from typing import Any
 
 import torch
 
-from loong.core.context_parallel import sum_over_cp
+from loong.core.engines.megatron.context_parallel import sum_over_cp
+from loong.core.engines.megatron.task import MegatronTask
 from loong.core.errors import LoongError
 from loong.core.registry import TASKS
-from loong.core.task import Task
 from loong.llm.data.indexed import build_pretrain_datasets, indexed_blend, uses_indexed_data
 from loong.llm.data.text import GlobalBatchSampler, make_microbatch, split_stream, tokenize_corpus
 from loong.llm.data.tokenizer import load_tokenizer, packaged_corpus_path
@@ -21,7 +21,7 @@ from loong.llm.models.config import check_model_layout, training_flops_per_token
 
 
 @TASKS.register("llm.pretrain")
-class PretrainTask(Task):
+class PretrainTask(MegatronTask):
     """Causal language modelling of a dense decoder."""
 
     engine = "megatron"
@@ -140,7 +140,7 @@ class PretrainTask(Task):
         return {"mtp_loss": float(total.mean()) / num_microbatches}
 
     def _num_microbatches(self) -> int:
-        from loong.core.engines.megatron import num_microbatches
+        from loong.core.engines.base import num_microbatches
 
         return num_microbatches(self.cfg, self.layout.dp)
 
@@ -173,7 +173,7 @@ class PretrainTask(Task):
         for _ in range(nmb):
             batch = make_microbatch([data[next(indices)] for _ in range(mbs)])
             if self.layout.cp > 1:  # this CP rank's two zigzag chunks of every sequence
-                from loong.core.context_parallel import split_for_cp_rank
+                from loong.core.engines.megatron.context_parallel import split_for_cp_rank
 
                 cp = self.layout.pg_collection.cp
                 batch = {k: split_for_cp_rank(v, 1, cp.size(), cp.rank()) for k, v in batch.items()}

@@ -124,7 +124,7 @@ class XPUAccelerator(Accelerator):
         return {SDPA} | check_capabilities(names, EXTRA_CAPABILITIES_VAR)
 
     @contextlib.contextmanager
-    def activate(self) -> Iterator[None]:
+    def activate(self, engine: str = "megatron") -> Iterator[None]:
         """Set the environment defaults, load and check the runtime; undo the defaults on exit.
 
         If the runtime cannot be used this raises before anything is initialised, with the

@@ -78,6 +78,12 @@ class Accelerator:
         """torch AdamW's implementation for ``train.optimizer_impl=auto``: ``"foreach"`` or ``"fused"``."""
         return "foreach"
 
+    def fsdp_adaptations(self) -> dict[str, str]:
+        """What the ``fsdp`` engine must do differently on this hardware, as ``{switch: why}`` (one place per
+        accelerator; see ``loong.core.engines.fsdp``). Known switches: ``no_fused_adam`` (torch's fused AdamW has
+        no kernel here), ``compile_unsupported`` (``torch.compile`` cannot build for this device)."""
+        return {}
+
     def megatron_config_overrides(self) -> dict:
         """TransformerConfig fields this hardware needs (e.g. initialising weights on the host)."""
         return {}
@@ -90,8 +96,9 @@ class Accelerator:
         return set()
 
     @contextlib.contextmanager
-    def activate(self) -> Iterator[None]:
-        """Enter the state the training stack needs on this hardware (adaptations, modes)."""
+    def activate(self, engine: str = "megatron") -> Iterator[None]:
+        """Enter the state the training stack needs on this hardware (adaptations, modes) for ``engine``'s
+        libraries (megatron-core's adaptations are entered only for the ``megatron`` engine)."""
         yield
 
     def __repr__(self) -> str:

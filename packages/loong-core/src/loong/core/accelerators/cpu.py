@@ -1,4 +1,4 @@
-"""The CPU accelerator: stock megatron-core on CPU with gloo, fp32."""
+"""The CPU accelerator: stock megatron-core (adapted) or torch FSDP2 on CPU with gloo, fp32."""
 
 from __future__ import annotations
 
@@ -32,7 +32,10 @@ class CPUAccelerator(Accelerator):
         return {"sdpa"}
 
     @contextlib.contextmanager
-    def activate(self) -> Iterator[None]:
+    def activate(self, engine: str = "megatron") -> Iterator[None]:
+        if engine != "megatron":  # the fsdp engine runs stock torch, which needs nothing adapted on CPU
+            yield
+            return
         from loong.core.accelerators.megatron_cpu import MegatronOnCPU
 
         with MegatronOnCPU():

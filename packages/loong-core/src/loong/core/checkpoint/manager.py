@@ -2,7 +2,7 @@
 
 Layout of ``<run>/checkpoints/``::
 
-    step_00000100/        megatron-core dist_checkpointing shards (model + optimiser),
+    step_00000100/        the engine's shards (model + optimiser: megatron-core dist_checkpointing or torch DCP),
                           rng/rank_XXXXX.pt, trainer_state.json, config.yaml, task artefacts,
                           manifest.json (sizes + SHA-256 of every other file, written last)
     latest                the name of the newest complete step directory (for people and tools)
@@ -140,7 +140,7 @@ class CheckpointManager:
         self.root = Path(root)
         self.keep_last = keep_last
         self.checksums = checksums
-        self._pending: Any = None  # megatron AsyncCallsQueue while an async save is in flight
+        self._pending: Any = None  # the engine's PendingSave while an async save is in flight
 
     def latest(self) -> Path | None:
         """The newest complete, verified checkpoint, or None (collective with checksums)."""
@@ -168,14 +168,9 @@ class CheckpointManager:
             self._finish(name, tmp, final, state, config, artifacts)
 
         if async_save:
-            from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
-
-            request = engine.save_async(tmp)
-            if every_rank is not None:  # after the engine's save starts: it expects an empty directory
+            self._pending = engine.save_async(tmp, finish)
+            if every_rank is not None:  # after the engine's save starts: it may expect an empty directory
                 every_rank(tmp)
-            request.add_finalize_fn(finish)
-            self._pending = AsyncCallsQueue()
-            self._pending.schedule_async_request(request)
             return final
         engine.save(tmp)
         if every_rank is not None:
@@ -185,17 +180,13 @@ class CheckpointManager:
 
     def poll(self) -> None:
         """Complete an async save whose shards are written (collective; cheap when none is pending)."""
-        if self._pending is not None:
-            self._pending.maybe_finalize_async_calls(blocking=False)
-            if self._pending.get_num_unfinalized_calls() == 0:
-                self._pending.close()
-                self._pending = None
+        if self._pending is not None and self._pending.finish(blocking=False):
+            self._pending = None
 
     def wait(self) -> None:
         """Block until an async save in flight is complete (collective)."""
         if self._pending is not None:
-            self._pending.maybe_finalize_async_calls(blocking=True)
-            self._pending.close()
+            self._pending.finish(blocking=True)
             self._pending = None
 
     def _finish(self, name: str, tmp: Path, final: Path, state: dict[str, Any], config: dict[str, Any],

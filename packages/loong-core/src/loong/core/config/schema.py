@@ -13,7 +13,15 @@ from loong.core.errors import LoongError, did_you_mean
 
 @dataclass
 class ParallelConfig:
-    """Parallel layout of one model component. ``dp`` is derived: world / (tp * pp * cp)."""
+    """Parallel layout of one model component. ``dp`` is derived: world / (tp * pp * cp).
+
+    megatron engine: ``tp``, ``pp``, ``vpp``, ``cp``, ``ep``, ``etp``, ``sequence_parallel``.
+    fsdp engine: ``fsdp`` (``full``: FSDP2 over every data-parallel rank; ``hybrid``: HSDP, replicas of
+    ``dp_shard``-way shards; ``none``: plain DDP), ``dp_replicate`` / ``dp_shard`` (sizes of the mesh's
+    ``dp_replicate`` and ``dp_shard`` dims; ``-1``: what the world leaves), ``cp_ulysses`` × ``cp_ring`` = ``cp``
+    (context parallelism of full attention: Ulysses all-to-all inside, ring across), ``fsdp_cpu_offload``
+    (parameters, gradients and optimiser state in host memory; the optimiser steps on the CPU).
+    """
 
     tp: int = 1
     pp: int = 1
@@ -22,6 +30,12 @@ class ParallelConfig:
     ep: int = 1
     etp: int | None = None
     sequence_parallel: bool = False
+    fsdp: Literal["full", "hybrid", "none"] = "full"
+    dp_replicate: int = -1
+    dp_shard: int = -1
+    cp_ulysses: int = 1
+    cp_ring: int = 1
+    fsdp_cpu_offload: bool = False
 
 
 @dataclass
@@ -110,6 +124,8 @@ class TrainConfig:
     progress: bool = True
     time_limit_s: float = 0.0
     profile_steps: list[int] = field(default_factory=list)
+    # fsdp engine: torch.compile each block (graph breaks are printed once, after the first step)
+    compile: bool = False
 
     def validate(self, path: str) -> None:
         if self.lr < 0 or self.min_lr < 0:

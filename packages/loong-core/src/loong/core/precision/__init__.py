@@ -4,19 +4,12 @@
 - :mod:`~loong.core.precision.fp8_linear`: ``fp8_mm`` (``torch._scaled_mm`` or emulation) and the FP8
   linear autograd op with megatron's tensor-parallel communication;
 - :mod:`~loong.core.precision.adaptive`: per-layer decisions from measured speedup tables, the probe;
-- :mod:`~loong.core.precision.apply`: converting a built model's megatron linears in place.
+
+Converting a built megatron model's linears in place is the megatron engine's
+(:mod:`loong.core.engines.megatron.fp8`).
 """
 
 from loong.core.precision.adaptive import H200_TABLE, SpeedupTable, decide, layer_speedup, probe, table_for
-from loong.core.precision.apply import (
-    LayerPlan,
-    apply_fp8,
-    check_precision,
-    convert_linears,
-    convert_to_fp8,
-    plan_fp8,
-    remove_fp8,
-)
 from loong.core.precision.fp8_linear import FP8LinearFunction, LinearComm, fp8_mm, linear_fp8, native_support
 from loong.core.precision.recipes import (
     BLOCKWISE,
@@ -36,22 +29,15 @@ __all__ = [
     "TENSORWISE",
     "FP8LinearFunction",
     "FP8Recipe",
-    "LayerPlan",
     "LinearComm",
     "Quantized",
     "SpeedupTable",
-    "apply_fp8",
-    "check_precision",
-    "convert_linears",
-    "convert_to_fp8",
     "decide",
     "linear_fp8",
     "fp8_mm",
     "layer_speedup",
     "native_support",
-    "plan_fp8",
     "probe",
     "quantize",
-    "remove_fp8",
     "table_for",
 ]

@@ -26,7 +26,7 @@ from loong.core.engines.base import Engine
 from loong.core.errors import LoongError
 from loong.core.parallel import ParallelLayout
 from loong.core.task import Task
-from loong.core.trainer.out_of_memory import memory_options, out_of_memory_error
+from loong.core.trainer.out_of_memory import out_of_memory_error
 from loong.core.trainer.profiling import StepProfiler
 from loong.core.trainer.reporting import Reporter
 from loong.core.trainer.resilience import BatchSchedule, check_same_model, nonfinite_diagnostic
@@ -100,7 +100,7 @@ class Trainer:
         self.task.load_state_dict(state.get("task", {}))
         self.batches = BatchSchedule(state.get("data", {}).get("skipped_batches", []) + self.batches.skipped)
         self.nonfinite_steps = max(self.nonfinite_steps, int(state.get("nonfinite_steps", 0)))
-        why = load_rng_states(step_dir)
+        why = load_rng_states(step_dir, self.engine.set_rng_state)
         self.restore_notes = [f"RNG streams start afresh: {why}"] if why else []
         return int(state["step"])
 
@@ -110,19 +110,18 @@ class Trainer:
             "consumed_samples": step * self.cfg.train.global_batch_size,
             "loss": loss,
             "scheduler": self.engine.scheduler_state(),
-            "loss_scale": getattr(self.engine, "loss_scale", lambda: 1.0)(),
+            "loss_scale": self.engine.loss_scale(),
             "task": self.task.state_dict(),
             "data": {"next_batch": self.batches.batch(step), "skipped_batches": self.batches.skipped},
             "nonfinite_steps": self.nonfinite_steps,
-            "layout": {"world_size": self.layout.world_size, "tp": self.layout.tp,
-                       "pp": self.layout.pp, "dp": self.layout.dp,
-                       "distributed_optimizer": self.cfg.train.distributed_optimizer},
+            "layout": self.engine.layout_record(),
         }
 
     def save(self, step: int, loss: float | None) -> Path:
         """Collective checkpoint of the current state (returns before the write ends with async_save)."""
         return self.checkpoints.save(step, self.engine, self._state(step, loss), self.config_dict,
-                                     artifacts=self.task.save_artifacts, every_rank=save_rng_states,
+                                     artifacts=self.task.save_artifacts,
+                                     every_rank=lambda d: save_rng_states(d, self.engine.rng_state()),
                                      async_save=self.cfg.train.async_save)
 
     def _on_nonfinite(self, step: int, batch: int, metrics: Any, reporter: Reporter) -> int:
@@ -151,8 +150,7 @@ class Trainer:
 
     def _out_of_memory(self, step: int, error: BaseException) -> LoongError:
         """The clear error for an out-of-memory in ``step``: what would fit, and which checkpoint is intact."""
-        bf16 = getattr(self.engine, "dtype", torch.float32) == torch.bfloat16
-        hints = memory_options(self.cfg, self.accelerator, self.layout.dp, bf16, self.task.memory_hints())
+        hints = self.engine.memory_hints(self.task.memory_hints())
         # no collective here (the other ranks may be inside the step): the newest finished checkpoint on disk, by sizes
         last, _ = newest_good(self.checkpoints.root, checksums=False)
         device = self.accelerator.device(self.layout.local_rank).type
@@ -177,7 +175,7 @@ class Trainer:
         try:
             tokens_per_step = self.task.tokens_per_step()
             flops_per_token = self.task.flops_per_token()
-            peak = self.accelerator.peak_flops(getattr(self.engine, "dtype", torch.float32))
+            peak = self.accelerator.peak_flops(self.engine.dtype)
             peak_total = peak * self.layout.world_size if peak else None
             first_loss = last_loss = None
             last_ckpt: Path | None = None
@@ -246,7 +244,7 @@ class Trainer:
                 self.checkpoints.wait()
             hf_dir = None
             if t.save_hf and not interrupted:
-                hf_dir = self.task.export(self.engine.model_chunks, self.run_dir / "hf")
+                hf_dir = self.task.export(self.engine.export_model(), self.run_dir / "hf")
         except BaseException:
             profiler.close()
             reporter.close(plot=False)  # release files and TensorBoard on any failure

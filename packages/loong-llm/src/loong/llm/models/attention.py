@@ -5,7 +5,7 @@
   ``torch.nn.functional.scaled_dot_product_attention`` (flash / memory-efficient kernels on GPU, a fused
   kernel on CPU) with the same constructor and forward signature, so it drops into
   ``SelfAttentionSubmodules.core_attention``. Under context parallelism it runs
-  :func:`loong.core.context_parallel.causal_attention_cp` (all-gathered keys and values).
+  :func:`loong.core.engines.megatron.context_parallel.causal_attention_cp` (all-gathered keys and values).
 - :class:`FusedRoPESelfAttention`: megatron-core's ``SelfAttention`` with the rotary embedding applied to
   q and k by loong-kernels' ``apply_rope`` (one kernel for each, reading q/k straight from the split QKV
   projection) instead of megatron's unfused ``t * cos + rotate_half(t) * sin``.
@@ -69,7 +69,7 @@ class SDPAttention(MegatronModule):
         if self.cp_group is not None:
             if attention_mask is not None or mask_type != AttnMaskType.causal:
                 raise ValueError("context parallelism supports causal attention without an explicit mask only")
-            from loong.core.context_parallel import causal_attention_cp
+            from loong.core.engines.megatron.context_parallel import causal_attention_cp
 
             out = causal_attention_cp(query, key, value, self.cp_group, scale=self.softmax_scale,
                                       dropout_p=self.dropout_p if self.training else 0.0)

@@ -34,7 +34,7 @@ from megatron.core.inference.utils import InferenceMode
 from megatron.core.models.gpt import GPTModel
 from megatron.core.tensor_parallel import ColumnParallelLinear
 
-from loong.core.context_parallel import sum_over_cp
+from loong.core.engines.megatron.context_parallel import sum_over_cp
 from loong.llm.models.fused import FusedKernels, fused_lm_loss
 
 

@@ -1,7 +1,7 @@
 """Hugging Face <-> Loong weights for the dense and Qwen3-MoE families (DeepSeek-V3/V3.2: ``deepseek_v3/mapping.py``):
 pure tensor rearrangement, dtypes kept.
 
-Loong's side is keyed like :func:`loong.core.state.gather_full_state` (megatron sharded keys, layers
+Loong's side is keyed like :func:`loong.core.engines.megatron.state.gather_full_state` (megatron sharded keys, layers
 stacked on a leading axis). The mapping is exactly invertible: HF -> Loong -> HF is bit-exact.
 Which optional tensors exist (q/k/v bias, QK norm, a separate ``lm_head``) follows the
 :class:`DenseModelConfig` flags, which each family's :class:`HFFamily` declaration sets.

@@ -39,7 +39,7 @@ from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel
 from megatron.core.utils import get_pg_size
 from torch.utils.checkpoint import checkpoint
 
-from loong.core.context_parallel import cp_chunks, gather_sequence
+from loong.core.engines.megatron.context_parallel import cp_chunks, gather_sequence
 from loong.core.errors import LoongError
 from loong.llm.models.deepseek_v3.spec import LoongMLASelfAttention
 from loong.llm.models.deepseek_v32.indexer import (

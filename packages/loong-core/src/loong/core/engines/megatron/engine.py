@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -21,41 +23,24 @@ from megatron.core.transformer.module import Float16Module
 
 from loong.core.accelerators.base import Accelerator
 from loong.core.accelerators.capabilities import OPTIMIZER_OFFLOAD
-from loong.core.checkpoint.optimizer import (
+from loong.core.config.schema import RunConfig, TrainConfig
+from loong.core.engines.base import Engine, PendingSave, StepMetrics, num_microbatches, resolve_dtype
+from loong.core.engines.megatron.fp8 import apply_fp8, check_precision
+from loong.core.engines.megatron.layout import MegatronLayout, init_distributed, shutdown_distributed
+from loong.core.engines.megatron.optimizer_state import (
     load_merged_state_dict,
     match_saved_keys,
     merged_sharded_state_dict,
 )
-from loong.core.config.schema import RunConfig, TrainConfig
-from loong.core.engines.base import Engine, StepMetrics
+from loong.core.engines.megatron.state import unwrap
+from loong.core.engines.megatron.task import MegatronTask
 from loong.core.errors import LoongError
-from loong.core.parallel import ParallelLayout
-from loong.core.precision import apply_fp8, check_precision
 from loong.core.registry import ENGINES
-from loong.core.state import unwrap
-from loong.core.task import Task
+from loong.core.trainer.out_of_memory import memory_options
 
 #: Common (non-sharded) entry of every checkpoint: the layout it was written at (EP/ETP are not in
 #: ``trainer_state.json``'s layout).
 LAYOUT_KEY = "loong_layout"
-
-
-def resolve_dtype(precision: str, accelerator: Accelerator) -> torch.dtype:
-    """``train.precision`` → torch dtype (``auto``: bf16 on GPUs, fp32 on CPU)."""
-    if precision == "auto":
-        return accelerator.default_dtype()
-    return {"bf16": torch.bfloat16, "fp32": torch.float32}[precision]
-
-
-def num_microbatches(cfg: RunConfig, dp: int) -> int:
-    """Micro-batches per step per DP rank; the batch sizes must divide evenly."""
-    t = cfg.train
-    if t.global_batch_size % (t.micro_batch_size * dp):
-        raise LoongError(
-            f"train.global_batch_size={t.global_batch_size} is not divisible by "
-            f"train.micro_batch_size={t.micro_batch_size} x data-parallel size {dp}"
-        )
-    return t.global_batch_size // (t.micro_batch_size * dp)
 
 
 def check_optimizer_offload(train: TrainConfig, accelerator: Accelerator) -> None:
@@ -78,7 +63,24 @@ def check_optimizer_offload(train: TrainConfig, accelerator: Accelerator) -> Non
 class MegatronEngine(Engine):
     """Builds the task's model chunks (one per virtual pipeline stage) and steps them."""
 
-    def __init__(self, task: Task, cfg: RunConfig, accelerator: Accelerator, layout: ParallelLayout,
+    engine_name = "megatron"
+
+    @classmethod
+    def init_layout(cls, accelerator: Accelerator, cfg: RunConfig) -> MegatronLayout:
+        return init_distributed(accelerator, cfg.parallel)
+
+    @classmethod
+    def seed(cls, seed: int, accelerator: Accelerator, layout: MegatronLayout) -> None:
+        from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+        accelerator.manual_seed(seed)
+        model_parallel_cuda_manual_seed(seed)  # the tensor-parallel RNG tracker's streams (dropout in TP regions)
+
+    @classmethod
+    def shutdown(cls) -> None:
+        shutdown_distributed()
+
+    def __init__(self, task: MegatronTask, cfg: RunConfig, accelerator: Accelerator, layout: MegatronLayout,
                  fresh: bool = True) -> None:
         self.task, self.cfg, self.accelerator, self.layout = task, cfg, accelerator, layout
         self.dtype = resolve_dtype(cfg.train.precision, accelerator)
@@ -290,7 +292,7 @@ class MegatronEngine(Engine):
     def _optimizer_sd(self, model_sd: dict, is_loading: bool) -> dict:
         # The plain optimiser: one entry per parameter keyed by the model's sharded keys, whatever
         # megatron's split into a dense and an expert optimiser (EP > 1), so it reshards across any
-        # TP/PP/DP/EP change (loong.core.checkpoint.optimizer). The distributed optimiser uses
+        # TP/PP/DP/EP change (loong.core.engines.megatron.optimizer_state). The distributed optimiser uses
         # 'dp_reshardable' (DP changes only): in megatron-core 0.19.2 without Apex/TE its
         # layout-free formats fail ('fully_sharded_model_space' builds flattened ShardedTensors its
         # own validation rejects; loading 'fully_reshardable' raises KeyError 'step').
@@ -331,11 +333,30 @@ class MegatronEngine(Engine):
     def save(self, directory: Path) -> None:
         dist_checkpointing.save(self._state_to_save(), str(directory))
 
-    def save_async(self, directory: Path):  # noqa: ANN201
-        """Start writing the shards in the background; returns megatron-core's ``AsyncRequest``."""
-        # megatron-core's own async writer ('mcore'); 'nvrx' needs nvidia-resiliency-ext.
-        return dist_checkpointing.save(self._state_to_save(), str(directory), async_sharded_save=True,
-                                       async_strategy="mcore")
+    def save_async(self, directory: Path, finalize: Callable[[], None]) -> PendingSave:
+        """Start writing the shards in the background with megatron-core's own async writer ('mcore'; 'nvrx'
+        needs nvidia-resiliency-ext)."""
+        request = dist_checkpointing.save(self._state_to_save(), str(directory), async_sharded_save=True,
+                                          async_strategy="mcore")
+        request.add_finalize_fn(finalize)
+        return _MegatronPendingSave(request)
+
+    def memory_hints(self, task_hints: list[str]) -> list[str]:
+        return memory_options(self.cfg, self.accelerator, self.layout.dp, self.dtype == torch.bfloat16, task_hints)
+
+    def rng_state(self) -> dict[str, Any]:
+        from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+        return {"megatron_tracker": get_cuda_rng_tracker().get_states()}
+
+    def set_rng_state(self, state: dict[str, Any]) -> None:
+        from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+        if "megatron_tracker" in state:
+            get_cuda_rng_tracker().set_states(state["megatron_tracker"])
+
+    def layout_record(self) -> dict[str, Any]:
+        return {**self.layout.record(), "distributed_optimizer": self.cfg.train.distributed_optimizer}
 
     def loss_scale(self) -> float:
         """The optimiser's current loss scale (1.0 without fp16 dynamic scaling)."""
@@ -471,3 +492,20 @@ class MegatronEngine(Engine):
     def load_scheduler_state(self, state: dict) -> None:
         """Restore the LR schedule position."""
         self.scheduler.step(increment=int(state.get("num_steps", 0)) - self.scheduler.num_steps)
+
+
+class _MegatronPendingSave(PendingSave):
+    """megatron-core's ``AsyncRequest`` in its ``AsyncCallsQueue``."""
+
+    def __init__(self, request: Any) -> None:
+        from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
+
+        self.queue = AsyncCallsQueue()
+        self.queue.schedule_async_request(request)
+
+    def finish(self, blocking: bool) -> bool:
+        self.queue.maybe_finalize_async_calls(blocking=blocking)
+        if self.queue.get_num_unfinalized_calls():
+            return False
+        self.queue.close()
+        return True

@@ -32,11 +32,11 @@ from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinea
 from loong.core.accelerators.base import Accelerator
 from loong.core.accelerators.capabilities import FP8
 from loong.core.config.schema import PrecisionConfig
+from loong.core.engines.megatron.state import unwrap
 from loong.core.errors import LoongError
 from loong.core.precision.adaptive import Decision, SpeedupTable, decide, table_for
 from loong.core.precision.fp8_linear import FP8LinearFunction, LinearComm, native_support
 from loong.core.precision.recipes import RECIPES, FP8Recipe
-from loong.core.state import unwrap
 
 _KNOWN_KWARGS = {"input", "weight", "bias", "gradient_accumulation_fusion", "allreduce_dgrad", "sequence_parallel",
                  "grad_output_buffer", "wgrad_deferral_limit", "tp_group", "gtp_remat_size"}
