@@ -30,6 +30,9 @@ class ParallelLayout:
     rank: int
     local_rank: int
     dp: int
+    #: whether the walk created the default process group (and so destroys it at the end); a caller that
+    #: initialised torch.distributed itself keeps its group across runs
+    owns_group: bool = True
 
     @property
     def cp(self) -> int:
@@ -74,28 +77,30 @@ def _elastic_store(world_size: int, timeout: datetime.timedelta) -> Any:
     return dist.PrefixStore(f"/loong/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
 
 
-def init_process_group(accelerator: Accelerator) -> tuple[int, int]:
-    """Join the default group (or create a world of one outside a launcher); returns (world size, local rank).
+def init_process_group(accelerator: Accelerator) -> tuple[int, int, bool]:
+    """Join the default group (or create a world of one outside a launcher); returns (world size, local rank,
+    whether this call created the group).
 
     A process not started by torchrun becomes a world of one on a free local port, fresh each time (runs may
     follow one another in one process, e.g. ``convert`` then ``train`` in a test).
     """
-    if "RANK" not in os.environ or os.environ.get("LOONG_SINGLE_PROCESS") == "1":
+    if not dist.is_initialized() and ("RANK" not in os.environ or os.environ.get("LOONG_SINGLE_PROCESS") == "1"):
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
                           MASTER_PORT=str(_free_port()), LOONG_SINGLE_PROCESS="1")
     world_size = int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     accelerator.set_device(local_rank)
-    if not dist.is_initialized():
-        timeout = datetime.timedelta(minutes=30)
-        kwargs: dict[str, Any] = {"backend": accelerator.backend, "timeout": timeout}
-        store = _elastic_store(world_size, timeout)
-        if store is not None:
-            kwargs.update(store=store, rank=int(os.environ["RANK"]), world_size=world_size)
-        if accelerator.device_type == "cuda":
-            kwargs["device_id"] = torch.device("cuda", local_rank)
-        dist.init_process_group(**kwargs)
-    return world_size, local_rank
+    if dist.is_initialized():
+        return dist.get_world_size(), local_rank, False
+    timeout = datetime.timedelta(minutes=30)
+    kwargs: dict[str, Any] = {"backend": accelerator.backend, "timeout": timeout}
+    store = _elastic_store(world_size, timeout)
+    if store is not None:
+        kwargs.update(store=store, rank=int(os.environ["RANK"]), world_size=world_size)
+    if accelerator.device_type == "cuda":
+        kwargs["device_id"] = torch.device("cuda", local_rank)
+    dist.init_process_group(**kwargs)
+    return world_size, local_rank, True
 
 
 def destroy_process_group() -> None:

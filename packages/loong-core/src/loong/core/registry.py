@@ -99,3 +99,4 @@ ENGINES: Registry = Registry("engine")
 CONFIG_DIRS: Registry = Registry("config source")
 
 ENGINES.add_lazy("megatron", "loong.core.engines.megatron.engine:MegatronEngine")
+ENGINES.add_lazy("fsdp", "loong.core.engines.fsdp.engine:FSDPEngine")

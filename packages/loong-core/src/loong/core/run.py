@@ -70,6 +70,12 @@ def train(config_module: str, config_name: str, overrides: list[str], schema: ty
         step_dir = resolve_checkpoint(cfg.train.resume, verify=False)  # checksums: after dist init
         plain["model"] = _with_model_overrides(read_config(step_dir)["model"], overrides)
         cfg = from_dict(schema, plain)
+    return run(cfg, echo)
+
+
+def run(cfg: Any, echo: Any = print) -> TrainResult:
+    """Run an already composed and validated config (a ``RunConfig`` subclass) to the end: the walk without
+    Hydra, for tools and tests that build their config in code."""
     task_cls = TASKS.get(cfg.task)
     engine_cls = ENGINES.get(cfg.engine)
     if task_cls.engine != cfg.engine:
@@ -106,4 +112,4 @@ def train(config_module: str, config_name: str, overrides: list[str], schema: ty
                      f"{layout.world_size}: {layout.describe()})")
             return trainer.fit(start)
         finally:
-            engine_cls.shutdown()
+            engine_cls.shutdown(layout)

@@ -95,11 +95,12 @@ class Engine(ABC):
         accelerator.manual_seed(seed)
 
     @classmethod
-    def shutdown(cls) -> None:
-        """Tear down the groups :meth:`init_layout` built, and the default group."""
+    def shutdown(cls, layout: ParallelLayout | None) -> None:
+        """Tear down the groups :meth:`init_layout` built, and the default group if the walk created it."""
         from loong.core.parallel import destroy_process_group
 
-        destroy_process_group()
+        if layout is None or layout.owns_group:
+            destroy_process_group()
 
     # --- stepping ----------------------------------------------------------------------------
     @abstractmethod

@@ -77,8 +77,8 @@ class MegatronEngine(Engine):
         model_parallel_cuda_manual_seed(seed)  # the tensor-parallel RNG tracker's streams (dropout in TP regions)
 
     @classmethod
-    def shutdown(cls) -> None:
-        shutdown_distributed()
+    def shutdown(cls, layout: MegatronLayout | None) -> None:
+        shutdown_distributed(destroy_default=layout is None or layout.owns_group)
 
     def __init__(self, task: MegatronTask, cfg: RunConfig, accelerator: Accelerator, layout: MegatronLayout,
                  fresh: bool = True) -> None:

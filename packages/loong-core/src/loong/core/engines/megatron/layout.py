@@ -85,11 +85,12 @@ def init_distributed(accelerator: Accelerator, cfg: ParallelConfig) -> MegatronL
     from megatron.core import parallel_state
     from megatron.core.process_groups_config import ProcessGroupCollection
 
-    world_size, local_rank = init_process_group(accelerator)
+    world_size, local_rank, created = init_process_group(accelerator)
     try:
         dp = check_layout(cfg, world_size)
     except LoongError:
-        destroy_process_group()
+        if created:
+            destroy_process_group()
         raise
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
@@ -102,11 +103,11 @@ def init_distributed(accelerator: Accelerator, cfg: ParallelConfig) -> MegatronL
         expert_tensor_parallel_size=cfg.etp,
     )
     pgs = ProcessGroupCollection.use_mpu_process_groups()
-    return MegatronLayout(cfg, world_size, dist.get_rank(), local_rank, dp, pgs)
+    return MegatronLayout(cfg, world_size, dist.get_rank(), local_rank, dp, created, pgs)
 
 
-def shutdown_distributed() -> None:
-    """Tear down megatron-core's groups, its MoE metrics tracker and the default group."""
+def shutdown_distributed(destroy_default: bool = True) -> None:
+    """Tear down megatron-core's groups, its MoE metrics tracker and (``destroy_default``) the default group."""
     from megatron.core import parallel_state
     from megatron.core.transformer.moe.moe_logging import destroy_moe_metrics_tracker
 
@@ -115,7 +116,8 @@ def shutdown_distributed() -> None:
     # megatron keeps per-layer MoE metrics in a module global sized by the first model that records; the
     # next model built in this process (a test, a tool) may have another layer count
     destroy_moe_metrics_tracker()
-    destroy_process_group()
+    if destroy_default:
+        destroy_process_group()
 
 
 @contextlib.contextmanager
