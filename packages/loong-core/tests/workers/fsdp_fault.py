@@ -5,7 +5,12 @@
 
 - ``forward:N``  SIGKILL inside the loss of step N's second micro-batch (rank 0);
 - ``save:N``     SIGKILL while the step-N checkpoint is being written: its shards and RNG states are on disk,
-                 the manifest and the rename are not (rank 0).
+                 the manifest and the rename are not (rank 0);
+- ``raise:N``    an exception in step N's loss on the first attempt only (torchrun's
+                 ``TORCHELASTIC_RESTART_COUNT`` is 0): an elastic restart then succeeds;
+- ``term:N``     SIGTERM to this process in step N's loss: the run saves at the step's end and stops;
+- ``nan:N``      the loss of step N's batch is NaN every time that batch is trained on;
+- ``oom:N``      step N's second micro-batch raises torch's ``OutOfMemoryError`` (rank 0).
 
 LAYOUT: ``single`` / ``dp2`` (FSDP over two ranks) / ``hybrid`` (HSDP 2x1), with ``-async`` for
 ``train.async_save=true``. 6 steps of 4 micro-batches, a checkpoint every 2 steps, ``train.resume=auto``.
@@ -43,10 +48,23 @@ class FaultyToyTask(ToyLlamaTask):
     def loss(self, model, batch):  # noqa: ANN001, ANN201
         kind, n = FAULT
         self._micro += 1
-        if kind == "forward" and model.training and self._batch == n - 1 and self._micro == 2 \
-                and os.environ.get("RANK", "0") == "0":
-            os.kill(os.getpid(), signal.SIGKILL)
-        return super().loss(model, batch)
+        here = model.training and self._batch == n - 1
+        rank0 = os.environ.get("RANK", "0") == "0"
+        if here and self._micro == 2 and rank0:
+            if kind == "forward":
+                os.kill(os.getpid(), signal.SIGKILL)
+            if kind == "raise" and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
+                raise RuntimeError("injected worker failure")
+            if kind == "oom":
+                import torch
+
+                raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 7.00 GiB (injected)")
+            if kind == "term":
+                os.kill(os.getpid(), signal.SIGTERM)
+        loss, metrics = super().loss(model, batch)
+        if kind == "nan" and here:
+            loss = loss * float("nan")
+        return loss, metrics
 
     def save_artifacts(self, checkpoint_dir):  # noqa: ANN001, ANN201
         kind, n = FAULT
@@ -54,15 +72,23 @@ class FaultyToyTask(ToyLlamaTask):
             os.kill(os.getpid(), signal.SIGKILL)
 
 
-def main() -> None:
+def faulty_run(fault: str, out: str, name: str, layout: str, **train: object):  # noqa: ANN201
+    """The run (``train``: extra ``train.*`` keys); returns its TrainResult."""
     global FAULT
-    fault, out, name, layout = sys.argv[1:5]
     kind, _, step = fault.partition(":")
     FAULT = (kind, int(step or 0))
     base, _, mode = layout.partition("-")
     cfg = toy_config(task="test.faulty_toy", parallel=LAYOUTS[base], output_dir=out, run_name=name,
-                     train={"steps": STEPS, "save_interval": 2, "async_save": mode == "async", "resume": "auto"})
-    result = run(cfg, echo=lambda m: print(m, flush=True))
+                     train={"steps": STEPS, "save_interval": 2, "async_save": mode == "async", "resume": "auto",
+                            **train})
+    try:
+        return run(cfg, echo=lambda m: print(m, flush=True))
+    finally:
+        FAULT = ("none", 0)
+
+
+def main() -> None:
+    result = faulty_run(*sys.argv[1:5])
     if result.is_logging_rank:
         print(f"finished at step {result.last_step}", flush=True)
 
