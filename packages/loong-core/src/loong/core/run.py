@@ -77,10 +77,10 @@ def run(cfg: Any, echo: Any = print) -> TrainResult:
     """Run an already composed and validated config (a ``RunConfig`` subclass) to the end: the walk without
     Hydra, for tools and tests that build their config in code."""
     task_cls = TASKS.get(cfg.task)
-    engine_cls = ENGINES.get(cfg.engine)
     if task_cls.engine != cfg.engine:
         raise LoongError(f"engine: task {cfg.task!r} runs on the {task_cls.engine!r} engine, not {cfg.engine!r}; "
                          f"set engine={task_cls.engine}")
+    engine_cls = ENGINES.get(cfg.engine)
     engine_cls.check_config(cfg)
     task_cls.check_config(cfg)  # may complete the config (e.g. the model shape of an HF folder)
     plain = to_dict(cfg)

@@ -66,6 +66,19 @@ class MegatronEngine(Engine):
     engine_name = "megatron"
 
     @classmethod
+    def check_config(cls, cfg: RunConfig) -> None:
+        p = cfg.parallel
+        fsdp_only = {"parallel.fsdp": (p.fsdp, "full"), "parallel.dp_replicate": (p.dp_replicate, -1),
+                     "parallel.dp_shard": (p.dp_shard, -1), "parallel.cp_ulysses": (p.cp_ulysses, 1),
+                     "parallel.cp_ring": (p.cp_ring, 1), "parallel.fsdp_cpu_offload": (p.fsdp_cpu_offload, False),
+                     "train.compile": (cfg.train.compile, False)}
+        for key, (value, default) in fsdp_only.items():
+            if value != default:
+                raise LoongError(f"{key}={value}: an fsdp engine option; the megatron engine's data parallelism is "
+                                 "megatron DDP (train.distributed_optimizer=true shards the optimiser) and its context "
+                                 "parallelism parallel.cp; drop the key or use engine=fsdp")
+
+    @classmethod
     def init_layout(cls, accelerator: Accelerator, cfg: RunConfig) -> MegatronLayout:
         return init_distributed(accelerator, cfg.parallel)
 
