@@ -18,6 +18,7 @@ FLASH_ATTN = "flash_attn"
 FP8 = "fp8"
 OPTIMIZER_OFFLOAD = "optimizer_offload"
 GROUPED_MM = "grouped_mm"
+FLEX_ATTENTION = "flex_attention"
 
 #: name -> what reporting it promises. Reporting a name is a promise that the path works on this
 #: hardware, not merely that a package imports.
@@ -31,6 +32,8 @@ CAPABILITIES: dict[str, str] = {
                        "train.optimizer_cpu_offload can keep the optimizer state in host memory",
     GROUPED_MM: "torch._grouped_mm has fast bf16 kernels on the device (CUDA sm90+), so MoE experts run as grouped "
                 "matrix products by default (model.moe_grouped_mm=auto)",
+    FLEX_ATTENTION: "torch.compile'd FlexAttention (torch.nn.attention.flex_attention) runs forward and backward on "
+                    "the device, so packed (varlen) and context-parallel attention take it (loong.core.attention)",
 }
 
 

@@ -77,7 +77,8 @@ class CUDAAccelerator(Accelerator):
         torch.cuda.reset_peak_memory_stats()
 
     def capabilities(self) -> set[str]:
-        caps = {"triton", "sdpa", "optimizer_offload"}
+        # flex_attention: torch.compile generates its kernels with Triton, which every CUDA build of torch ships
+        caps = {"triton", "sdpa", "optimizer_offload", "flex_attention"}
         if importlib.util.find_spec("transformer_engine") is not None:
             caps.add("transformer_engine")
         if importlib.util.find_spec("flash_attn") is not None:
