@@ -12,13 +12,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from loong.core.errors import LoongError
 from loong.llm.data.tokenizer import build_packaged_tokenizer
 from loong.llm.sft.formats import normalise, read_conversations
 from loong.llm.sft.packing import (
+    Document,
     PackedSequences,
-    document_attention_mask,
     fit_documents,
     make_sft_microbatch,
     pack_best_fit,
@@ -217,21 +218,17 @@ def test_packed_sequence_layout() -> None:
     assert unpacked.bins == [[0], [1], [2]] and unpacked[1]["position_ids"].tolist() == [0, 1, 0, 0, 0, 0, 0, 0]
 
 
-def test_document_attention_mask() -> None:
-    mask = document_attention_mask(torch.tensor([[0, 0, 1, 1, 1, -1, -1]]))
-    assert mask.shape == (1, 1, 7, 7) and mask.dtype == torch.bool
-    allowed = (~mask[0, 0]).int().tolist()
-    assert allowed == [
-        [1, 0, 0, 0, 0, 0, 0],
-        [1, 1, 0, 0, 0, 0, 0],
-        [0, 0, 1, 0, 0, 0, 0],
-        [0, 0, 1, 1, 0, 0, 0],
-        [0, 0, 1, 1, 1, 0, 0],
-        [0, 0, 0, 0, 0, 1, 0],  # padding sees itself only: no fully masked softmax row
-        [0, 0, 0, 0, 0, 0, 1],
-    ]
-    batch = make_sft_microbatch([{"tokens": np.zeros(3), "doc_ids": np.array([0, 1, 1])}], document_mask=False)
-    assert (~batch["attention_mask"][0, 0]).int().tolist() == [[1, 0, 0], [1, 1, 0], [1, 1, 1]]
+def test_microbatch_carries_document_ids() -> None:
+    """The micro-batch holds document ids [b, s] for the attention, not a dense [b, 1, s, s] mask."""
+    from loong.llm.models.attention import is_document_ids
+
+    sample = {"tokens": np.zeros(5), "doc_ids": np.array([0, 0, 1, 1, -1])}
+    batch = make_sft_microbatch([sample, sample])
+    assert batch["attention_mask"].tolist() == [[0, 0, 1, 1, -1]] * 2 and batch["attention_mask"].dtype == torch.int64
+    assert is_document_ids(batch["attention_mask"]) and "doc_ids" not in batch
+    assert not is_document_ids(torch.ones(2, 1, 5, 5, dtype=torch.bool)) and not is_document_ids(None)
+    # without the document mask the whole sequence is one document: plain causal attention
+    assert make_sft_microbatch([sample], document_mask=False)["attention_mask"].tolist() == [[0] * 5]
 
 
 # --- the model: per-token RoPE and the packing oracle ------------------------------------------
@@ -325,6 +322,58 @@ def test_packed_loss_equals_unpacked_loss(cpu, tok) -> None:
     assert (leaky[:, 0] / leaky[:, 1] - u[:, 0] / u[:, 1]).abs().max() > 1e-3
 
 
+class _SequenceSquares(TorchDispatchMode):
+    """Records every tensor an op creates that has two dimensions of the sequence length (an [s, s] mask or
+    score matrix)."""
+
+    def __init__(self, seq: int) -> None:
+        super().__init__()
+        self.seq, self.seen = seq, []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+        out = func(*args, **(kwargs or {}))
+        for t in torch.utils._pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor) and list(t.shape).count(self.seq) >= 2:
+                self.seen.append((str(func), tuple(t.shape)))
+        return out
+
+
+def test_packed_4096_tokens_run_without_a_dense_mask(cpu) -> None:
+    """One 4096-token row of 40 packed documents: neither the micro-batch nor any op of the model's forward makes
+    an [s, s] tensor, and every document's token losses equal that document run alone with plain causal attention."""
+    seq = 4096
+    model = _model(cpu)
+    rng = np.random.default_rng(0)
+    lengths = rng.integers(20, 180, size=40)
+    assert lengths.sum() < seq  # one row, padding at its end
+    docs = [Document(rng.integers(0, 512, n + 1), np.ones(n, dtype=bool)) for n in lengths]
+    packed = PackedSequences(docs, seq, packing=True, pad_id=0)
+    assert len(packed) == 1 and len(packed.bins[0]) == 40
+    watch = _SequenceSquares(seq)
+    with torch.no_grad(), watch:
+        batch = make_sft_microbatch([packed[0]])
+        losses = model(batch["tokens"], batch["position_ids"], batch["attention_mask"], labels=batch["labels"])
+        # the watch sees what a dense document mask would be
+        ids = batch["attention_mask"]
+        _ = ids[:, :, None] == ids[:, None, :]
+    assert watch.seen == [("aten.eq.Tensor", (1, seq, seq))]
+    assert batch["attention_mask"].shape == (1, seq) and all(t.numel() <= seq for t in batch.values())
+    # each document alone: a batch of one document a row (padded after it), no mask, megatron's causal SDPA
+    longest = int(lengths.max())
+    tokens = torch.zeros(40, longest, dtype=torch.long)
+    labels = torch.zeros(40, longest, dtype=torch.long)
+    for k, d in enumerate(packed.bins[0]):
+        n = int(lengths[d])
+        tokens[k, :n] = torch.from_numpy(docs[d].ids[:-1])
+        labels[k, :n] = torch.from_numpy(docs[d].ids[1:])
+    with torch.no_grad():
+        alone = model(tokens, torch.arange(longest).expand(40, -1), None, labels=labels)
+    doc_ids = batch["attention_mask"][0]
+    for k, d in enumerate(packed.bins[0]):
+        n = int(lengths[d])
+        assert torch.allclose(losses[0, doc_ids == k], alone[k, :n], atol=1e-5), k
+
+
 def test_sft_task_data_is_deterministic(cpu, tmp_path: Path) -> None:
     from loong.core.config import compose_config
     from loong.core.registry import TASKS
@@ -346,7 +395,7 @@ def test_sft_task_data_is_deterministic(cpu, tmp_path: Path) -> None:
     assert line.startswith("sft data: chat_example.jsonl: 50 conversations used (48 train, 2 valid")
     assert "0 truncated, 0 dropped, 0 skipped lines; template qwen" in line and "packing efficiency" in line
     batches = list(a.train_microbatches(3, 2))
-    assert len(batches) == 2 and batches[0]["attention_mask"].shape == (2, 1, 256, 256)
+    assert len(batches) == 2 and batches[0]["attention_mask"].shape == (2, 256)  # document ids, no [s, s] mask
     # the reported loss is scaled so that the engine's mean over micro-batches is the per-token mean
     tokens = sum(float(x["loss_mask"].sum()) for x in batches)
     assert tokens * float(batches[0]["loss_scale"]) == pytest.approx(2, rel=1e-6)

@@ -162,10 +162,14 @@ def flex_document_mask(q_doc: torch.Tensor | None, kv_doc: torch.Tensor | None, 
 
 @functools.cache
 def _compiled_flex_attention() -> Any:
-    """FlexAttention compiled once per process: an uncompiled call materialises the full score matrix."""
+    """FlexAttention compiled once per process: an uncompiled call materialises the full score matrix.
+
+    Shapes stay automatic-dynamic (torch.compile's default): balanced SFT micro-batches change the sequence length,
+    and a static compile would recompile for each until its cache limit, then fall back to the eager path.
+    """
     from torch.nn.attention.flex_attention import flex_attention
 
-    return torch.compile(flex_attention, dynamic=False)
+    return torch.compile(flex_attention)
 
 
 def flex_attention_call(compile: bool) -> Any:

@@ -6,6 +6,9 @@
   kernel on CPU) with the same constructor and forward signature, so it drops into
   ``SelfAttentionSubmodules.core_attention``. Under context parallelism it runs
   :func:`loong.core.engines.megatron.context_parallel.causal_attention_cp` (all-gathered keys and values).
+  Packed sequences arrive as per-token document ids instead of a mask (packed SFT) and run through
+  :func:`loong.core.attention.varlen_attention`; :class:`FlexSDPAttention` takes its FlexAttention kernel
+  (:func:`core_attention_for` picks the class from the accelerator's capabilities).
 - :class:`FusedRoPESelfAttention`: megatron-core's ``SelfAttention`` with the rotary embedding applied to
   q and k by loong-kernels' ``apply_rope`` (one kernel for each, reading q/k straight from the split QKV
   projection) instead of megatron's unfused ``t * cos + rotate_half(t) * sin``.
@@ -23,12 +26,27 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from loong.core.accelerators.capabilities import FLEX_ATTENTION
+from loong.core.attention import FLEX, REFERENCE, varlen_attention
+
+
+def is_document_ids(attention_mask: torch.Tensor | None) -> bool:
+    """Whether megatron's ``attention_mask`` argument carries per-token document ids ``[b, s]`` (an integer
+    tensor; negative = padding) rather than a boolean mask ``[b, 1, s, s]`` (True = masked out)."""
+    return (attention_mask is not None and attention_mask.dim() == 2 and attention_mask.dtype != torch.bool
+            and not attention_mask.dtype.is_floating_point)
+
 
 class SDPAttention(MegatronModule):
     """Causal (grouped-query) attention over [s, b, heads, d] inputs, returning [s, b, heads*d_v].
 
     ``k_channels``/``v_channels`` (multi-latent attention) may differ: the output has the value width.
+    An ``attention_mask`` of document ids ``[b, s]`` (:func:`is_document_ids`) keeps every packed document to
+    itself (varlen attention, no ``[s, s]`` mask; padding tokens get 0); a boolean mask is applied as SDPA's.
     """
+
+    #: the varlen implementation for document ids (loong.core.attention.varlen); FlexSDPAttention's is FlexAttention
+    varlen_impl = REFERENCE
 
     def __init__(
         self,
@@ -76,6 +94,13 @@ class SDPAttention(MegatronModule):
             return out.reshape(out.shape[0], out.shape[1], -1)
         # [s, b, h, d] -> [b, h, s, d]
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
+        s, b = query.shape[0], query.shape[1]
+        if is_document_ids(attention_mask):
+            if self.training and self.dropout_p > 0:
+                raise ValueError("packed documents (document ids) run without attention dropout; set it to 0")
+            out = varlen_attention(q, k, v, attention_mask, causal=mask_type == AttnMaskType.causal,
+                                   scale=self.softmax_scale, impl=self.varlen_impl)
+            return out.permute(2, 0, 1, 3).reshape(s, b, -1)
         causal = mask_type == AttnMaskType.causal and attention_mask is None
         mask = None
         if attention_mask is not None:
@@ -90,8 +115,21 @@ class SDPAttention(MegatronModule):
             scale=self.softmax_scale,
             enable_gqa=q.shape[1] != k.shape[1],
         )
-        s, b = query.shape[0], query.shape[1]
         return out.permute(2, 0, 1, 3).reshape(s, b, -1)
+
+
+class FlexSDPAttention(SDPAttention):
+    """:class:`SDPAttention` whose packed documents run through compiled FlexAttention (a block-sparse document
+    mask) instead of one SDPA call per document."""
+
+    varlen_impl = FLEX
+
+
+def core_attention_for(capabilities: set[str]) -> type[SDPAttention]:
+    """The core-attention class for a layer spec: :class:`FlexSDPAttention` where the accelerator reports
+    ``flex_attention``, else :class:`SDPAttention`. A class, not a partial: megatron's multi-latent attention
+    builds its core attention through ``build_module``, which takes classes and specs only."""
+    return FlexSDPAttention if FLEX_ATTENTION in capabilities else SDPAttention
 
 
 def rope_tables(emb: torch.Tensor, interleaved: bool, mscale: float | None) -> tuple[torch.Tensor, torch.Tensor]:

@@ -30,7 +30,7 @@ from megatron.core.utils import get_pg_rank
 
 from loong.core.config.schema import ParallelConfig
 from loong.core.errors import LoongError
-from loong.llm.models.attention import FusedRoPESelfAttention, SDPAttention
+from loong.llm.models.attention import FusedRoPESelfAttention, core_attention_for
 from loong.llm.models.config import DenseModelConfig
 from loong.llm.models.fused import FusedKernels, FusedRMSNorm, FusedSwiGLU, resolve_fused_kernels
 from loong.llm.models.gpt import LoongGPTModel
@@ -150,7 +150,7 @@ def layer_spec(model: DenseModelConfig, capabilities: set[str], fused: FusedKern
     spec = get_gpt_layer_local_spec(num_experts=model.num_experts, moe_grouped_gemm=False,
                                     qk_layernorm=model.qk_norm, normalization="RMSNorm")
     layer, attn = spec.submodules, spec.submodules.self_attention
-    attn.submodules.core_attention = SDPAttention
+    attn.submodules.core_attention = core_attention_for(capabilities)  # FlexAttention for packed documents
     fused = fused or FusedKernels()
     if sequence_parallel:  # megatron's torch norms refuse SP; the fused norm is off under SP
         layer.input_layernorm = layer.pre_mlp_layernorm = SPRMSNorm

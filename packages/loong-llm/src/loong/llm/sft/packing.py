@@ -4,8 +4,10 @@ A conversation of ``n`` tokens is a *document* of ``n - 1`` slots: inputs ``ids[
 ``ids[1:]`` and the loss mask ``assistant_mask[1:]`` (a label is in the loss when the token it
 predicts is an assistant token). With ``data.packing=true`` documents are packed best-fit
 decreasing into sequences of ``train.seq_length`` slots, positions restarting at 0 per document;
-the attention mask keeps every document to itself. With ``data.packing=false`` each sequence
-holds one document followed by padding. Sequences are built once; the sampler orders them.
+per-token document ids keep every document to itself in attention (varlen attention,
+:func:`loong.core.attention.varlen_attention`: no ``[s, s]`` mask, so 32K-token sequences fit). With
+``data.packing=false`` each sequence holds one document followed by padding. Sequences are built once;
+the sampler orders them.
 """
 
 from __future__ import annotations
@@ -123,30 +125,17 @@ def pack_row(docs: list[Document], members: list[int], length: int, pad_id: int)
             "doc_ids": doc_ids}
 
 
-def document_attention_mask(doc_ids: torch.Tensor) -> torch.Tensor:
-    """Boolean mask ``[b, 1, s, s]``, True = masked: a future token, another document, or padding.
-
-    ``doc_ids`` is ``[b, s]`` with -1 for padding. A padding query attends to itself only, so no
-    row is fully masked (a fully masked softmax row is NaN, which would spread through 0 * NaN).
-    """
-    s = doc_ids.shape[1]
-    causal = torch.ones(s, s, dtype=torch.bool, device=doc_ids.device).tril()
-    same = doc_ids[:, :, None] == doc_ids[:, None, :]
-    real_key = (doc_ids >= 0)[:, None, :]
-    allowed = causal & same & real_key
-    allowed |= torch.eye(s, dtype=torch.bool, device=doc_ids.device)
-    return (~allowed).unsqueeze(1)
-
-
 def make_sft_microbatch(samples: list[dict[str, np.ndarray]], document_mask: bool = True) -> dict[str, torch.Tensor]:
-    """Stack samples into tokens, labels, loss_mask, position_ids and the attention mask.
+    """Stack samples into tokens, labels, loss_mask, position_ids and ``attention_mask``.
 
-    ``document_mask=False`` gives plain causal attention across the whole sequence (for tests:
-    packed documents then see one another).
+    ``attention_mask`` is the document ids ``[b, s]`` (int64, -1 = padding), which the model's
+    attention (:class:`loong.llm.models.attention.SDPAttention`) takes in place of a mask: causal
+    attention within each document, padding attending to nothing. ``document_mask=False`` makes the
+    whole sequence one document, plain causal attention (for tests: packed documents then see one another).
     """
     batch = {k: torch.from_numpy(np.stack([x[k] for x in samples])) for k in samples[0]}
     doc_ids = batch.pop("doc_ids")
     if not document_mask:
         doc_ids = torch.zeros_like(doc_ids)
-    batch["attention_mask"] = document_attention_mask(doc_ids)
+    batch["attention_mask"] = doc_ids
     return batch
