@@ -1,9 +1,12 @@
 """The fsdp engine against one process: toy LLaMA- and DiT-like models (``workers/toy_tasks.py``) trained at
 FSDP dp_shard=2, HSDP 2x1 and 1x2, DDP, with recomputation full/selective and frozen parameters give the
-single-process losses, gradients (after clipping across shards) and weights over 10 steps (fp32, 1e-5). A
-checkpoint saved at dp_shard=2 resumes at one process and at HSDP 2x1 with the uninterrupted run's next loss.
+single-process losses, gradients (after clipping across shards) and weights over 10 steps (fp32, 1e-5). So do
+context-parallel layouts (world 4): Ulysses 2, ring 2, Ulysses x ring 2x2, ring under HSDP, Ulysses under DDP,
+with the DiT's bidirectional self-attention and its cross-attention to the replicated text, and the LLaMA's causal
+attention. A checkpoint saved at dp_shard=2 resumes at one process and at HSDP 2x1 with the uninterrupted run's
+next loss.
 
-Two process launches in all: the world-2 cases in one torchrun launch, the references in one plain process.
+Three process launches in all: the world-2 cases, the world-4 cases, the references in one plain process.
 """
 
 from __future__ import annotations
@@ -35,6 +38,15 @@ CASES = {  # world-2 case -> its single-process reference
     "dit-full-recompute_full": "dit-single",
     "dit-full-frozen": "dit-single-frozen",
 }
+CP_CASES = {  # world-4 case -> its single-process reference
+    "dit-ulysses2": "dit-single",
+    "dit-ring2": "dit-single",
+    "dit-ulysses2xring2": "dit-single",
+    "dit-hybrid2x1ring2": "dit-single",
+    "dit-ddpulysses2": "dit-single",
+    "llama-ring2": "llama-single",
+    "llama-ulysses2xring2": "llama-single",
+}
 RESHARD = ["reshard_save", "reshard_hybrid2x1"]
 
 
@@ -50,6 +62,8 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("fsdp_layouts")
     _run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(WORKER),
           str(out), *CASES, *RESHARD])
+    _run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4", str(WORKER),
+          str(out), *CP_CASES])
     _run([sys.executable, str(WORKER), str(out), *REFERENCES])
     return out
 
@@ -62,9 +76,9 @@ def _close(a: object, b: object, what: str) -> None:
     torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=lambda m: f"{what}: {m}")
 
 
-@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize("case", sorted(CASES) + sorted(CP_CASES))
 def test_layout_equals_one_process(results: Path, case: str) -> None:
-    got, ref = _load(results, case), _load(results, CASES[case])
+    got, ref = _load(results, case), _load(results, {**CASES, **CP_CASES}[case])
     _close(torch.tensor(got["loss"]), torch.tensor(ref["loss"]), "losses over 10 steps")
     _close(torch.tensor(got["grad_norm"]), torch.tensor(ref["grad_norm"]), "grad norms")
     for step in (0, 9):

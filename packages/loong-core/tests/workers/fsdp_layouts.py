@@ -31,6 +31,12 @@ LAYOUTS = {
     "hybrid2x1": {"fsdp": "hybrid", "dp_replicate": 2, "dp_shard": 1},
     "hybrid1x2": {"fsdp": "hybrid", "dp_replicate": 1, "dp_shard": 2},
     "ddp": {"fsdp": "none"},
+    # context parallelism (world 4): Ulysses, ring, both; with FSDP over the remaining ranks, or HSDP, or DDP
+    "ulysses2": {"cp_ulysses": 2},
+    "ring2": {"cp_ring": 2},
+    "ulysses2xring2": {"cp_ulysses": 2, "cp_ring": 2},
+    "hybrid2x1ring2": {"fsdp": "hybrid", "dp_replicate": 2, "cp_ring": 2},
+    "ddpulysses2": {"fsdp": "none", "cp_ulysses": 2},
 }
 
 

@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from loong.core.attention import CPGroups, cp_attention, shard_sequence
 from loong.core.config.schema import RunConfig
 from loong.core.engines.fsdp.task import FSDPTask
 from loong.core.registry import TASKS
@@ -56,11 +57,12 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    """Multi-head attention; ``context`` given: cross-attention to it."""
+    """Multi-head attention; ``context`` given: cross-attention to it. Under context parallelism ``x`` is this
+    rank's sequence shard and ``cp_attention`` attends over the whole sequence (the context is replicated)."""
 
-    def __init__(self, dim: int, heads: int, causal: bool) -> None:
+    def __init__(self, dim: int, heads: int, causal: bool, cp: CPGroups) -> None:
         super().__init__()
-        self.heads, self.causal = heads, causal
+        self.heads, self.causal, self.cp = heads, causal, cp
         self.q, self.k, self.v, self.o = (nn.Linear(dim, dim, bias=False) for _ in range(4))
 
     def forward(self, x: torch.Tensor, context: torch.Tensor | None = None) -> torch.Tensor:
@@ -68,7 +70,11 @@ class Attention(nn.Module):
         kv = x if context is None else context
         q, k, v = (t.view(b, -1, self.heads, d // self.heads).transpose(1, 2)
                    for t in (self.q(x), self.k(kv), self.v(kv)))
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=self.causal and context is None)
+        if self.cp.size > 1:
+            out = cp_attention(q, k, v, self.cp, causal=self.causal and context is None,
+                               kv_replicated=context is not None)
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=self.causal and context is None)
         return self.o(out.transpose(1, 2).reshape(b, s, d))
 
 
@@ -82,9 +88,9 @@ class MLP(nn.Module):
 
 
 class LlamaBlock(nn.Module):
-    def __init__(self, dim: int, heads: int) -> None:
+    def __init__(self, dim: int, heads: int, cp: CPGroups) -> None:
         super().__init__()
-        self.attn_norm, self.attn = RMSNorm(dim), Attention(dim, heads, causal=True)
+        self.attn_norm, self.attn = RMSNorm(dim), Attention(dim, heads, causal=True, cp=cp)
         self.mlp_norm, self.mlp = RMSNorm(dim), MLP(dim)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -93,10 +99,10 @@ class LlamaBlock(nn.Module):
 
 
 class ToyLlama(nn.Module):
-    def __init__(self, m: ToyModelConfig) -> None:
+    def __init__(self, m: ToyModelConfig, cp: CPGroups) -> None:
         super().__init__()
         self.embed = nn.Embedding(m.vocab_size, m.dim)
-        self.layers = nn.ModuleList(LlamaBlock(m.dim, m.heads) for _ in range(m.layers))
+        self.layers = nn.ModuleList(LlamaBlock(m.dim, m.heads, cp) for _ in range(m.layers))
         self.norm, self.output = RMSNorm(m.dim), nn.Linear(m.dim, m.vocab_size, bias=False)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -109,11 +115,11 @@ class ToyLlama(nn.Module):
 class DiTBlock(nn.Module):
     """adaLN-modulated self-attention, cross-attention to the text, MLP (Wan's block, in miniature)."""
 
-    def __init__(self, dim: int, heads: int) -> None:
+    def __init__(self, dim: int, heads: int, cp: CPGroups) -> None:
         super().__init__()
         self.modulation = nn.Linear(dim, 6 * dim)
-        self.norm1, self.self_attn = nn.LayerNorm(dim, elementwise_affine=False), Attention(dim, heads, False)
-        self.norm2, self.cross_attn = nn.LayerNorm(dim), Attention(dim, heads, False)
+        self.norm1, self.self_attn = nn.LayerNorm(dim, elementwise_affine=False), Attention(dim, heads, False, cp)
+        self.norm2, self.cross_attn = nn.LayerNorm(dim), Attention(dim, heads, False, cp)
         self.norm3, self.mlp = nn.LayerNorm(dim, elementwise_affine=False), MLP(dim)
 
     def forward(self, x: torch.Tensor, temb: torch.Tensor, context: torch.Tensor) -> torch.Tensor:
@@ -124,13 +130,13 @@ class DiTBlock(nn.Module):
 
 
 class ToyDiT(nn.Module):
-    def __init__(self, m: ToyModelConfig) -> None:
+    def __init__(self, m: ToyModelConfig, cp: CPGroups) -> None:
         super().__init__()
         self.dim = m.dim
         self.patch = nn.Linear(m.in_channels, m.dim)
         self.time = nn.Sequential(nn.Linear(m.dim, m.dim), nn.SiLU(), nn.Linear(m.dim, m.dim))
         self.text = nn.Linear(m.dim, m.dim)
-        self.blocks = nn.ModuleList(DiTBlock(m.dim, m.heads) for _ in range(m.layers))
+        self.blocks = nn.ModuleList(DiTBlock(m.dim, m.heads, cp) for _ in range(m.layers))
         self.head = nn.Linear(m.dim, m.in_channels)
 
     def forward(self, latents: torch.Tensor, timestep: torch.Tensor, text: torch.Tensor) -> torch.Tensor:
@@ -145,7 +151,8 @@ class ToyDiT(nn.Module):
 
 
 class _ToyTask(FSDPTask):
-    """Shared data plumbing: sample ``i`` of the stream is a pure function of (seed, i)."""
+    """Shared data plumbing: sample ``i`` of the stream is a pure function of (seed, i). The ranks of one
+    context-parallel group read the same samples and each takes its shard of the sequence (``shard_sequence``)."""
 
     def setup_data(self) -> None:
         t = self.cfg.train
@@ -172,7 +179,7 @@ class _ToyTask(FSDPTask):
         return self.gbs * self.seq
 
     def build_model(self) -> nn.Module:
-        model = self.model_class(self.cfg.model)
+        model = self.model_class(self.cfg.model, self.layout.cp_groups)
         for name, p in model.named_parameters():
             if any(name.startswith(prefix) for prefix in self.cfg.model.freeze):
                 p.requires_grad_(False)
@@ -192,9 +199,10 @@ class ToyLlamaTask(_ToyTask):
         return {"tokens": tokens}
 
     def loss(self, model: nn.Module, batch: dict[str, Any]) -> tuple[torch.Tensor, dict[str, Any]]:
-        tokens = batch["tokens"]
-        logits = model(tokens[:, :-1])
-        return F.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten()), {}
+        cp = self.layout.cp_groups
+        inputs, labels = shard_sequence(batch["tokens"][:, :-1], cp), shard_sequence(batch["tokens"][:, 1:], cp)
+        logits = model(inputs)
+        return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten()), {}
 
 
 @TASKS.register("toy.dit")
@@ -213,8 +221,9 @@ class ToyDiTTask(_ToyTask):
                 "text": torch.randn(m.text_len, m.dim, generator=g)}
 
     def loss(self, model: nn.Module, batch: dict[str, Any]) -> tuple[torch.Tensor, dict[str, Any]]:
-        pred = model(batch["noisy"], batch["timestep"], batch["text"])
-        return F.mse_loss(pred.float(), batch["target"].float()), {}
+        cp = self.layout.cp_groups
+        pred = model(shard_sequence(batch["noisy"], cp), batch["timestep"], batch["text"])
+        return F.mse_loss(pred.float(), shard_sequence(batch["target"], cp).float()), {}
 
 
 def toy_config(**sections: Any) -> ToyRunConfig:

@@ -20,6 +20,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from loong.core.accelerators.base import Accelerator
+from loong.core.attention import CPGroups, cp_groups_from_mesh
 from loong.core.config.schema import ParallelConfig
 from loong.core.errors import LoongError
 from loong.core.parallel import ParallelLayout, destroy_process_group, init_process_group
@@ -95,6 +96,9 @@ class FSDPLayout(ParallelLayout):
     shard_mesh: Any = None
     #: every rank that holds a replica or a shard of the model: gradients and the logged loss average here
     dp_cp_group: Any = None
+    #: this rank's Ulysses and ring groups (``loong.core.attention.CPGroups``; empty without CP), for
+    #: ``cp_attention`` and ``shard_sequence`` in the model and the task
+    cp_groups: Any = None
 
     @property
     def cp_ulysses(self) -> int:
@@ -145,5 +149,6 @@ def init_mesh(accelerator: Accelerator, p: ParallelConfig) -> FSDPLayout:
     shard_cp = mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
     shard_mesh = mesh["dp_replicate", "dp_shard_cp"] if p.fsdp == "hybrid" else shard_cp
     dp_cp = mesh["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp").get_group()
+    groups = cp_groups_from_mesh(mesh["cp"], p.cp_ulysses, p.cp_ring) if p.cp > 1 else CPGroups()
     return FSDPLayout(p, world_size, dist.get_rank(), local_rank, rep * shard, created, mesh, rep, shard, shard_mesh,
-                      dp_cp)
+                      dp_cp, groups)
