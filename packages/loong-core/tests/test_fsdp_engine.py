@@ -1,5 +1,5 @@
 """The fsdp engine against one process: toy LLaMA- and DiT-like models (``workers/toy_tasks.py``) trained at
-FSDP dp_shard=2, HSDP 2x1 and 1x2, DDP, with recomputation full/selective and frozen parameters give the
+FSDP dp_shard=2, HSDP 2x1 and 1x2, DDP, with recomputation full/selective, frozen parameters and CPU offload give the
 single-process losses, gradients (after clipping across shards) and weights over 10 steps (fp32, 1e-5). So do
 context-parallel layouts (world 4): Ulysses 2, ring 2, Ulysses x ring 2x2, ring under HSDP, Ulysses under DDP,
 with the DiT's bidirectional self-attention and its cross-attention to the replicated text, and the LLaMA's causal
@@ -37,6 +37,7 @@ CASES = {  # world-2 case -> its single-process reference
     "dit-ddp-recompute_selective": "dit-single",
     "dit-full-recompute_full": "dit-single",
     "dit-full-frozen": "dit-single-frozen",
+    "dit-hybrid1x2-offload": "dit-single",
 }
 CP_CASES = {  # world-4 case -> its single-process reference
     "dit-ulysses2": "dit-single",

@@ -41,15 +41,19 @@ LAYOUTS = {
 
 
 def case_config(name: str, out: Path):  # noqa: ANN201
-    """``<task>-<layout>[-<variant>]``: e.g. ``llama-full-recompute_full``, ``dit-ddp``, ``llama-single-frozen``."""
+    """``<task>-<layout>[-<variant>]``: e.g. ``llama-full-recompute_full``, ``dit-ddp``, ``llama-single-frozen``,
+    ``dit-hybrid2x1-offload`` (``parallel.fsdp_cpu_offload``)."""
     task, layout, *variant = name.split("-")
     model: dict = {}
+    parallel = dict(LAYOUTS.get(layout, {}))
     for v in variant:
-        if v.startswith("recompute_"):
+        if v == "offload":
+            parallel["fsdp_cpu_offload"] = True
+        elif v.startswith("recompute_"):
             model["recompute"] = v.removeprefix("recompute_")
         elif v == "frozen":
             model["freeze"] = ["embed", "layers.0.attn"] if task == "llama" else ["patch", "text"]
-    return toy_config(task=f"toy.{task}", model=model, parallel=LAYOUTS.get(layout, {}),
+    return toy_config(task=f"toy.{task}", model=model, parallel=parallel,
                       output_dir=str(out), run_name=name)
 
 

@@ -81,7 +81,8 @@ class Accelerator:
     def fsdp_adaptations(self) -> dict[str, str]:
         """What the ``fsdp`` engine must do differently on this hardware, as ``{switch: why}`` (one place per
         accelerator; see ``loong.core.engines.fsdp``). Known switches: ``no_fused_adam`` (torch's fused AdamW has
-        no kernel here), ``compile_unsupported`` (``torch.compile`` cannot build for this device)."""
+        no kernel here), ``compile_unsupported`` (``torch.compile`` cannot build for this device),
+        ``no_pinned_memory`` (host memory cannot be pinned: offloaded shards stay pageable)."""
         return {}
 
     def megatron_config_overrides(self) -> dict:

@@ -31,6 +31,10 @@ class CPUAccelerator(Accelerator):
     def capabilities(self) -> set[str]:
         return {"sdpa"}
 
+    def fsdp_adaptations(self) -> dict[str, str]:
+        # FSDP2's CPUOffloadPolicy pins its host shards by default, and pinning needs a CUDA driver
+        return {"no_pinned_memory": "pinned host memory needs a CUDA driver: offloaded shards stay pageable"}
+
     @contextlib.contextmanager
     def activate(self, engine: str = "megatron") -> Iterator[None]:
         if engine != "megatron":  # the fsdp engine runs stock torch, which needs nothing adapted on CPU

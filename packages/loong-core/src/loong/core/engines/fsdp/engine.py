@@ -100,11 +100,14 @@ class FSDPEngine(Engine):
             model = model.to(self.device)
         blocks = apply_recompute(model, task.blocks(model), recompute_mode(cfg), task.mlp)
         if t.compile:
-            if "compile_unsupported" in accelerator.fsdp_adaptations():
-                raise LoongError(f"train.compile=true: {accelerator.fsdp_adaptations()['compile_unsupported']}")
+            why = accelerator.fsdp_adaptations().get("compile_unsupported")
+            if why:
+                raise LoongError(f"train.compile=true: {why}")
             apply_compile(blocks)
         self.ddp = cfg.parallel.fsdp == "none"
-        self.model = shard(model, blocks, layout, self.dtype, t.grad_reduce_in_bf16)
+        adaptations = accelerator.fsdp_adaptations()
+        self.model = shard(model, blocks, layout, self.dtype, t.grad_reduce_in_bf16,
+                           pin_memory="no_pinned_memory" not in adaptations)
         self.bare = model  # the unwrapped module (the same object as self.model under FSDP2)
         self.model_chunks = [self.model]
         self.params = [p for p in self.model.parameters() if p.requires_grad]

@@ -90,7 +90,7 @@ def mixed_precision(dtype: torch.dtype, reduce_in_bf16: bool) -> MixedPrecisionP
 
 
 def shard(model: nn.Module, blocks: list[nn.Module], layout: FSDPLayout, dtype: torch.dtype,
-          reduce_in_bf16: bool) -> nn.Module:
+          reduce_in_bf16: bool, pin_memory: bool = True) -> nn.Module:
     """FSDP2 (``parallel.fsdp=full|hybrid``) per block and on the root, or DDP (``none``); returns the model
     to train (the same module for FSDP2, a ``DistributedDataParallel`` wrapper for DDP)."""
     p = layout.config
@@ -106,7 +106,7 @@ def shard(model: nn.Module, blocks: list[nn.Module], layout: FSDPLayout, dtype: 
     kwargs: dict[str, Any] = {
         "mesh": layout.shard_mesh,
         "mp_policy": mixed_precision(dtype, reduce_in_bf16),
-        "offload_policy": CPUOffloadPolicy() if p.fsdp_cpu_offload else OffloadPolicy(),
+        "offload_policy": CPUOffloadPolicy(pin_memory=pin_memory) if p.fsdp_cpu_offload else OffloadPolicy(),
     }
     for i, block in enumerate(blocks):
         # the last block's parameters are needed again at once by the backward: no reshard after its forward
