@@ -42,9 +42,20 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from _env import host, run_child, versions  # benchmarks/_env.py (run as scripts from the repo root)
+
+if TYPE_CHECKING:  # the parent process imports neither torch nor loong: each row's child does
+    import torch
+    from transformers import LlamaForCausalLM
+
+    from loong.core.config.schema import DataConfig
+    from loong.llm.data.text import GlobalBatchSampler, PackedTokens
+    from loong.llm.models.config import DenseModelConfig
+    from loong.llm.schema import LLMRunConfig
 
 RESULTS = Path(__file__).parent / "results"
 PEAK_BF16 = 989e12  # H200/H100 SXM dense bf16, the denominator MFU figures in this field use
@@ -126,21 +137,22 @@ def _lr(step: int, args: argparse.Namespace) -> float:
     return args.min_lr + 0.5 * (math.cos(math.pi * ratio) + 1.0) * (args.lr - args.min_lr)
 
 
-def _hf_worker(args: argparse.Namespace) -> None:
-    """HF LlamaForCausalLM on loong-llm's data in loong-llm's order; prints one JSON line."""
-    import torch
-    import torch.nn.functional as F
-    from transformers import LlamaConfig, LlamaForCausalLM
-
+def llm_config(preset: str, seed: int) -> LLMRunConfig:
+    """loong-llm's pretraining config of ``preset`` (``LLMRunConfig``) with ``train.seed=seed``: the model shape and
+    data settings every HF-model row reads."""
     from loong.core.config import compose_config
-    from loong.llm.data.text import GlobalBatchSampler, make_microbatch, split_stream, tokenize_corpus
-    from loong.llm.data.tokenizer import load_tokenizer, packaged_corpus_path
-    from loong.llm.models.config import training_flops_per_token
     from loong.llm.schema import LLMRunConfig
 
-    cfg, _ = compose_config("loong.llm.configs", "pretrain", [f"model={args.preset}", f"train.seed={args.seed}"],
-                            LLMRunConfig)
-    m, d = cfg.model, cfg.data
+    cfg, _ = compose_config("loong.llm.configs", "pretrain", [f"model={preset}", f"train.seed={seed}"], LLMRunConfig)
+    return cfg
+
+
+def hf_llama(m: DenseModelConfig, seed: int) -> LlamaForCausalLM:
+    """The HF ``LlamaForCausalLM`` of loong-llm's model config ``m`` (SDPA attention), fp32 on the host, its weights
+    drawn after ``torch.manual_seed(seed)`` (so every row that builds it starts from the same weights)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
     rope = None
     if m.rope_scaling is not None:
         rope = {"rope_type": "llama3", "factor": m.rope_scaling.factor, "low_freq_factor": m.rope_scaling.low_freq_factor,
@@ -152,20 +164,55 @@ def _hf_worker(args: argparse.Namespace) -> None:
                          head_dim=m.kv_channels, vocab_size=m.vocab_size, max_position_embeddings=m.max_position_embeddings,
                          rope_theta=m.rope_theta, rope_scaling=rope, tie_word_embeddings=m.tie_word_embeddings,
                          rms_norm_eps=m.norm_eps, attn_implementation="sdpa")
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(hf_cfg).train()
+
+
+def corpus_windows(d: DataConfig, data_path: str | None, seq: int, seed: int
+                   ) -> tuple[PackedTokens, PackedTokens, GlobalBatchSampler]:
+    """loong-llm's tokenised corpus (``data_path``, else the packaged one) as ``(train, valid, sampler)``: windows of
+    ``seq + 1`` tokens split by the data config ``d``, and the seeded order in which loong-llm reads them."""
+    from loong.llm.data.text import GlobalBatchSampler, split_stream, tokenize_corpus
+    from loong.llm.data.tokenizer import load_tokenizer, packaged_corpus_path
+
+    path = Path(data_path) if data_path else packaged_corpus_path()
+    tokens = tokenize_corpus(path, load_tokenizer(None), d.format, d.text_field)
+    train, valid = split_stream(tokens, seq, d.valid_fraction, str(path))
+    return train, valid, GlobalBatchSampler(len(train), seed)
+
+
+def microbatch(windows: PackedTokens, sampler: GlobalBatchSampler, first: int, mbs: int) -> dict[str, torch.Tensor]:
+    """Samples ``first .. first + mbs - 1`` of the run's order as one micro-batch (``tokens``, ``labels``, ...)."""
+    from loong.llm.data.text import make_microbatch
+
+    return make_microbatch([windows[sampler.index(g)] for g in range(first, first + mbs)])
+
+
+def lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """The rows' loss: mean next-token cross-entropy, in fp32, over every token of the micro-batch."""
+    import torch.nn.functional as F
+
+    return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten())
+
+
+def _hf_worker(args: argparse.Namespace) -> None:
+    """HF LlamaForCausalLM on loong-llm's data in loong-llm's order; prints one JSON line."""
+    import torch
+
+    from loong.llm.models.config import training_flops_per_token
+
+    cfg = llm_config(args.preset, args.seed)
+    m = cfg.model
     gpu = torch.cuda.is_available()
     device = "cuda" if gpu else "cpu"
-    torch.manual_seed(cfg.train.seed)
-    model = LlamaForCausalLM(hf_cfg).to(device).train()
+    model = hf_llama(m, cfg.train.seed).to(device)
     forward = torch.compile(model) if args.compile else model
     decay = [p for p in model.parameters() if p.ndim >= 2]  # megatron: no decay on norms and biases
     rest = [p for p in model.parameters() if p.ndim < 2]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}],
                             lr=args.lr, betas=(0.9, 0.95), eps=1e-8, fused=gpu)
 
-    path = Path(args.data_path) if args.data_path else packaged_corpus_path()
-    tokens = tokenize_corpus(path, load_tokenizer(None), d.format, d.text_field)
-    train, _ = split_stream(tokens, args.seq, d.valid_fraction, str(path))
-    sampler = GlobalBatchSampler(len(train), cfg.train.seed)
+    train, _, sampler = corpus_windows(cfg.data, args.data_path, args.seq, cfg.train.seed)
     accum = args.gbs // args.mbs
     sync = torch.cuda.synchronize if gpu else (lambda: None)
     tps, losses = [], []
@@ -178,12 +225,11 @@ def _hf_worker(args: argparse.Namespace) -> None:
         t0 = time.perf_counter()
         total = torch.zeros((), device=device)
         for i in range(accum):
-            first = step * args.gbs + i * args.mbs
-            mb = make_microbatch([train[sampler.index(g)] for g in range(first, first + args.mbs)])
+            mb = microbatch(train, sampler, step * args.gbs + i * args.mbs, args.mbs)
             ids, labels = mb["tokens"].to(device), mb["labels"].to(device)
             with torch.autocast(device, dtype=torch.bfloat16, enabled=gpu):
                 logits = forward(input_ids=ids).logits
-            loss = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten())
+            loss = lm_loss(logits, labels)
             (loss / accum).backward()
             total += loss.detach() / accum
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -221,21 +267,24 @@ def _run_row(name: str, args: argparse.Namespace, tmp: Path) -> dict:
     return _loong(args, tmp, tuple(overrides), run_name=name)
 
 
-def _table(rows: dict[str, dict]) -> list[str]:
-    base_hf, base_bf16 = rows.get("hf_eager", {}), rows.get("loong_bf16", {})
+def table(rows: dict[str, dict], labels: dict[str, str], baselines: dict[str, str]) -> list[str]:
+    """The rows' table: label, tokens/s, MFU, peak memory, the last and the last-20 loss, and tokens/s against each
+    baseline row (``{"vs HF": "hf_eager"}``: a column per baseline, ``-`` where that row is missing or failed)."""
+    bases = {title: rows.get(name, {}) for title, name in baselines.items()}
+    widths = {title: max(8, len(title) + 2) for title in baselines}
     lines = [f"{'row':<34}{'tokens/s':>10}{'MFU':>8}{'peak GiB':>10}{'loss@end':>10}{'last-20':>9}"
-             f"{'vs HF':>8}{'vs bf16':>9}"]
+             + "".join(f"{title:>{widths[title]}}" for title in baselines)]
     for name, r in rows.items():
-        label = ROWS.get(name, name)
+        label = labels.get(name, name)
         if "error" in r:
             lines.append(f"{label:<34}  failed: {r['error'].strip().splitlines()[-1][:70]}")
             continue
         mfu = f"{r['mfu']:.1%}" if r.get("mfu") is not None else "-"
         mem = f"{r['peak_memory_gib']:.1f}" if r.get("peak_memory_gib") is not None else "-"
-        vs_hf = f"{r['tokens_per_s'] / base_hf['tokens_per_s']:.2f}x" if "tokens_per_s" in base_hf else "-"
-        vs_bf16 = f"{r['tokens_per_s'] / base_bf16['tokens_per_s']:.2f}x" if "tokens_per_s" in base_bf16 else "-"
+        vs = {title: f"{r['tokens_per_s'] / b['tokens_per_s']:.2f}x" if "tokens_per_s" in b else "-"
+              for title, b in bases.items()}
         lines.append(f"{label:<34}{r['tokens_per_s']:>10,.0f}{mfu:>8}{mem:>10}{r['loss_last']:>10.4f}"
-                     f"{r['loss_last20_mean']:>9.4f}{vs_hf:>8}{vs_bf16:>9}")
+                     f"{r['loss_last20_mean']:>9.4f}" + "".join(f"{vs[t]:>{widths[t]}}" for t in baselines))
     return lines
 
 
@@ -280,20 +329,53 @@ def _plot(rows: dict[str, dict], path: Path) -> None:
     plt.close(fig)
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def run_rows(args: argparse.Namespace, run_row: Callable[[str, argparse.Namespace, Path], dict],
+             rows: dict[str, dict]) -> dict | None:
+    """Run ``args.rows`` one after another (``run_row(name, args, tmp)``, each in its own process) into ``rows``, on
+    the corpus ``--data`` names (``stdlib``: written to a temporary folder first, ``args.data_path`` set); returns
+    the corpus' facts (None for the shipped corpus)."""
+    corpus = None
+    with tempfile.TemporaryDirectory() as tmp:
+        if args.data == "stdlib":
+            args.data_path = str(Path(tmp) / "stdlib.jsonl")
+            corpus = stdlib_corpus(Path(args.data_path))
+            print(f"data: {corpus['files']} files of the Python standard library, {corpus['bytes'] / 1e6:.1f} MB")
+        for name in args.rows:
+            print(f"running {name} ...", flush=True)
+            r = rows[name] = run_row(name, args, Path(tmp))
+            print(f"  {name}: " + (f"{r['tokens_per_s']:,.0f} tokens/s, {r['wall_s']} s" if "error" not in r
+                                   else "failed"), flush=True)
+    return corpus
+
+
+def settings_line(args: argparse.Namespace) -> str:
+    """The table's heading: the shape and batch every row ran."""
+    return (f"{args.preset}  seq={args.seq} micro-batch={args.mbs} global-batch={args.gbs} steps={args.steps} "
+            f"(tokens/s: median after step {args.warmup})")
+
+
+def add_settings(p: argparse.ArgumentParser, steps: int = 200, lr_warmup: int = 20, steps_help: str | None = None
+                 ) -> None:
+    """The run settings every row shares (``SETTINGS``, ``--warmup``, ``--data-path``), with these defaults."""
     p.add_argument("--preset", default="llama3_2_1b")
     p.add_argument("--seq", type=int, default=4096)
     p.add_argument("--mbs", type=int, default=4)
     p.add_argument("--gbs", type=int, default=4)
-    p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--steps", type=int, default=steps, help=steps_help)
     p.add_argument("--lr", type=float, default=3e-4)
     p.add_argument("--min-lr", type=float, default=3e-5)
-    p.add_argument("--lr-warmup", type=int, default=20, help="learning-rate warm-up steps")
+    p.add_argument("--lr-warmup", type=int, default=lr_warmup, help="learning-rate warm-up steps")
     p.add_argument("--warmup", type=int, default=10, help="steps left out of the throughput figures")
-    p.add_argument("--data", choices=["stdlib", "shipped"], default="stdlib", help="see the module docstring")
+    p.add_argument("--data", choices=["stdlib", "shipped"], default="stdlib",
+                   help="stdlib: the Python standard library's source; shipped: loong-llm's small corpus "
+                        "(llm_throughput.py's docstring)")
     p.add_argument("--data-path", default=None, help=argparse.SUPPRESS)
     p.add_argument("--seed", type=int, default=1234, help="initialisation and data-order seed (train.seed)")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_settings(p)
     p.add_argument("--rows", nargs="+", default=list(ROWS), choices=list(ROWS))
     p.add_argument("--profile", type=int, nargs=2, metavar=("START", "END"), default=None,
                    help="torch.profiler over these steps of every Loong row; top operators go into the JSON")
@@ -317,21 +399,11 @@ def main() -> None:
         if differ:
             p.error(f"--merge {args.merge}: settings differ (earlier, now): {differ}")
         rows, commands = earlier["rows"], earlier["commands"]
-    corpus = None
-    with tempfile.TemporaryDirectory() as tmp:
-        if args.data == "stdlib":
-            args.data_path = str(Path(tmp) / "stdlib.jsonl")
-            corpus = stdlib_corpus(Path(args.data_path))
-            print(f"data: {corpus['files']} files of the Python standard library, {corpus['bytes'] / 1e6:.1f} MB")
-        for name in args.rows:
-            print(f"running {name} ...", flush=True)
-            rows[name] = _run_row(name, args, Path(tmp))
+    corpus = run_rows(args, _run_row, rows)
     rows = {k: rows[k] for k in ROWS if k in rows}
     command = " ".join(["python", "benchmarks/" + Path(sys.argv[0]).name, *sys.argv[1:]])
-    lines = _table(rows)
-    print(f"\n{args.preset}  seq={args.seq} micro-batch={args.mbs} global-batch={args.gbs} steps={args.steps} "
-          f"(tokens/s: median after step {args.warmup})")
-    print("\n".join(lines))
+    lines = table(rows, ROWS, {"vs HF": "hf_eager", "vs bf16": "loong_bf16"})
+    print(f"\n{settings_line(args)}\n" + "\n".join(lines))
     targets = _targets(rows)
     print(json.dumps(targets, indent=1))
     hw = host()
