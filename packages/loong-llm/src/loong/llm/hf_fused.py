@@ -126,8 +126,9 @@ class FusedRoPELlamaAttention(LlamaAttention):
         return new.train(attn.training)
 
     def forward(self, hidden_states: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
-                attention_mask: torch.Tensor | None = None, cache: Any = None,
+                attention_mask: torch.Tensor | None = None, cache: Any = None, past_key_values: Any = None,
                 **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
+        cache = cache if cache is not None else past_key_values  # the cache's name before transformers renamed it
         input_shape = hidden_states.shape[:-1]
         hidden_shape = (*input_shape, -1, self.head_dim)
         query = self.q_proj(hidden_states).view(hidden_shape)
