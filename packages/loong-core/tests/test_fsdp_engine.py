@@ -52,8 +52,10 @@ RESHARD = ["reshard_save", "reshard_hybrid2x1"]
 
 
 def _run(cmd: list[str], timeout: int = 600) -> None:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-    env.pop("LOONG_SINGLE_PROCESS", None)
+    # without the rendezvous variables an in-process run of this pytest process may have left behind
+    env = {k: v for k, v in os.environ.items() if k not in
+           ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "LOONG_SINGLE_PROCESS")}
+    env.update(OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
 

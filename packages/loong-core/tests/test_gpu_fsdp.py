@@ -1,10 +1,9 @@
 """The fsdp engine on a GPU (``pytest -m gpu``; CI deselects these, and without CUDA they skip).
 
-The toy LLaMA of ``workers/toy_tasks.py`` trains through the real walk (``loong.core.run.run``, a world of one on
-NCCL) in bf16 mixed precision: eagerly, under ``train.compile=true``, with ``model.recompute=full`` and both, the loss
-is finite and falls. (The toy DiT is left out: its time embedding is computed in fp32 inside the root module and
-meets the bf16 weights FSDP2 gives ``time``, so it fails in bf16 on any device.) An asynchronous save (``train.async_save=true``) completes into a verified checkpoint, and a run
-resumed from it continues with the uninterrupted run's losses. Tiny models, 10 steps a run: well under a minute.
+The toy LLaMA and DiT of ``workers/toy_tasks.py`` train through the real walk (``loong.core.run.run``, a world of
+one on NCCL) in bf16 mixed precision: eagerly, under ``train.compile=true``, with ``model.recompute=full`` and both,
+the loss is finite and falls. An asynchronous save (``train.async_save=true``) completes into a verified checkpoint,
+and a run resumed from it continues with the uninterrupted run's losses. Tiny models, 10 steps a run.
 """
 
 from __future__ import annotations
@@ -37,10 +36,13 @@ def _train(out: Path, name: str, task: str = "toy.llama", model: dict | None = N
     return result, [r for r in records if "train_loss" in r]
 
 
-@pytest.mark.parametrize("compile_,recompute", [(False, "none"), (True, "none"), (False, "full"), (True, "full")])
-def test_toy_llama_trains_in_bf16(tmp_path: Path, capsys: pytest.CaptureFixture, compile_: bool,
+@pytest.mark.parametrize("task,compile_,recompute", [
+    ("toy.llama", False, "none"), ("toy.llama", True, "none"), ("toy.llama", False, "full"),
+    ("toy.llama", True, "full"), ("toy.dit", False, "selective"), ("toy.dit", True, "full"),
+])  # fmt: skip
+def test_toy_models_train_in_bf16(tmp_path: Path, capsys: pytest.CaptureFixture, task: str, compile_: bool,
                                   recompute: str) -> None:
-    result, records = _train(tmp_path, "run", "toy.llama", {"recompute": recompute}, compile=compile_)
+    result, records = _train(tmp_path, "run", task, {"recompute": recompute}, compile=compile_)
     losses = [r["train_loss"] for r in records]
     assert result.last_step == 10 and len(losses) == 10
     assert all(math.isfinite(x) for x in losses), losses

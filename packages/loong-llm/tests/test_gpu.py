@@ -220,3 +220,53 @@ def test_fused_and_unfused_training_agree_on_gpu(tmp_path: Path) -> None:
     on, off = curves["on"], curves["off"]
     assert abs(on[0] - off[0]) <= 0.01 * off[0]
     assert abs(on[-1] - off[-1]) <= 0.05 * off[-1] and on[-1] < 0.9 * on[0]
+
+
+def test_packed_sft_rows_of_32k_tokens_run_through_flex_attention(cuda_layout) -> None:  # noqa: ANN001
+    """A packed 32K-token row of 200 documents, forward and backward in bf16: the CUDA build picks FlexAttention
+    (no [s, s] mask: a bool one alone would take 1 GiB per row, the scores in fp32 4 GiB per head), and its loss
+    and gradients equal the per-document reference path's."""
+    import numpy as np
+
+    from loong.core.accelerators.capabilities import FLEX_ATTENTION
+    from loong.core.config.schema import ParallelConfig
+    from loong.core.engines.megatron.state import gather_full_state, load_full_state
+    from loong.llm.models import build
+    from loong.llm.models.attention import FlexSDPAttention
+    from loong.llm.models.config import DenseModelConfig
+    from loong.llm.sft.packing import Document, PackedSequences, make_sft_microbatch
+
+    acc, layout = cuda_layout
+    assert FLEX_ATTENTION in acc.capabilities()
+    cfg = DenseModelConfig(num_layers=2, hidden_size=256, ffn_hidden_size=512, num_attention_heads=8,
+                           num_query_groups=2, vocab_size=512, max_position_embeddings=32768)
+    tc = build.transformer_config(cfg, ParallelConfig(), torch.bfloat16, acc.megatron_config_overrides())
+    caps = acc.capabilities()
+    flex = build.build_gpt_model(cfg, tc, caps, True, True, layout.pg_collection).cuda()
+    ref = build.build_gpt_model(cfg, tc, caps - {FLEX_ATTENTION}, True, True, layout.pg_collection).cuda()
+    assert any(isinstance(m, FlexSDPAttention) for m in flex.modules())
+    assert not any(isinstance(m, FlexSDPAttention) for m in ref.modules())
+    load_full_state([ref], gather_full_state([flex]))
+    seq = 32768
+    rng = np.random.default_rng(0)
+    lengths = rng.integers(20, 300, size=200)
+    docs = [Document(rng.integers(0, 512, n + 1), np.ones(n, dtype=bool)) for n in lengths]
+    packed = PackedSequences(docs, seq, packing=True, pad_id=0)
+    batch = {k: v.cuda() for k, v in make_sft_microbatch([packed[0]]).items()}
+    assert batch["attention_mask"].shape == (1, seq)
+    results = []
+    for model in (flex, ref):
+        torch.cuda.reset_peak_memory_stats()
+        losses = model(batch["tokens"], batch["position_ids"], batch["attention_mask"], labels=batch["labels"])
+        loss = (losses.float() * batch["loss_mask"]).sum() / batch["loss_mask"].sum()
+        loss.backward()
+        grads = {n: p.grad.float().clone() if p.grad is not None else p.main_grad.float().clone()
+                 for n, p in model.named_parameters() if p.grad is not None or hasattr(p, "main_grad")}
+        model.zero_grad()
+        results.append((float(loss), grads, torch.cuda.max_memory_allocated()))
+    (flex_loss, flex_grads, flex_peak), (ref_loss, ref_grads, _) = results
+    assert abs(flex_loss - ref_loss) <= 2e-2 * abs(ref_loss)
+    for name, g in ref_grads.items():
+        rel = ((flex_grads[name] - g).norm() / g.norm().clamp_min(1e-12)).item()
+        assert rel <= 5e-2, (name, rel)
+    assert flex_peak < 2**30  # under one dense [s, s] bool mask

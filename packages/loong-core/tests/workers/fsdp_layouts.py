@@ -9,6 +9,7 @@ and write their logged losses instead.
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -103,7 +104,7 @@ def reshard_case(name: str, out: Path) -> dict:
 
 def main() -> None:
     out, names = Path(sys.argv[1]), sys.argv[2:]
-    distributed = "RANK" in __import__("os").environ
+    distributed = "TORCHELASTIC_RUN_ID" in os.environ  # started by torchrun (a plain run is the world of one)
     if distributed:
         dist.init_process_group("gloo")  # kept across the cases: the walk does not tear down a group it did not make
     for name in names:

@@ -143,7 +143,8 @@ class ToyDiT(nn.Module):
         half = self.dim // 2
         freqs = torch.exp(-math.log(10000.0) * torch.arange(half, device=latents.device) / half)
         angles = timestep[:, None].float() * freqs[None]
-        temb = self.time(torch.cat([angles.cos(), angles.sin()], dim=-1))
+        # the sinusoid in fp32, then in the weights' dtype (bf16 under FSDP2's mixed precision), as diffusers' Wan does
+        temb = self.time(torch.cat([angles.cos(), angles.sin()], dim=-1).to(self.time[0].weight.dtype))
         x, context = self.patch(latents), self.text(text)
         for block in self.blocks:
             x = block(x, temb, context)

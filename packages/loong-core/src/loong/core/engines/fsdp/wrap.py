@@ -108,8 +108,11 @@ def shard(model: nn.Module, blocks: list[nn.Module], layout: FSDPLayout, dtype: 
         "mp_policy": mixed_precision(dtype, reduce_in_bf16),
         "offload_policy": CPUOffloadPolicy(pin_memory=pin_memory) if p.fsdp_cpu_offload else OffloadPolicy(),
     }
+    # A shard group of one rank holds whole parameters anyway: resharding after the forward would only copy them
+    # out and back (and recast them to bf16) for the backward. Otherwise the last block's parameters are needed
+    # again at once by the backward, so it keeps them.
+    single = layout.shard_mesh.size(layout.shard_mesh.ndim - 1) == 1
     for i, block in enumerate(blocks):
-        # the last block's parameters are needed again at once by the backward: no reshard after its forward
-        fully_shard(block, reshard_after_forward=i < len(blocks) - 1, **kwargs)
+        fully_shard(block, reshard_after_forward=not single and i < len(blocks) - 1, **kwargs)
     fully_shard(model, **kwargs)
     return model
