@@ -13,12 +13,12 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import pytest
 import torch
 
+from loong.core.checkpoint.inspect import checkpoint_tensors
 from loong.core.errors import LoongError
 
 pytestmark = pytest.mark.slow
@@ -45,26 +45,6 @@ def _launch(fault: str, out: Path, name: str, layout: str, max_restarts: int = 0
     return rc, log.read_text()
 
 
-def final_tensors(step_dir: Path) -> dict[str, torch.Tensor]:
-    """Every tensor of a DCP checkpoint (model and optimiser), read without building a model."""
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-
-    with tempfile.TemporaryDirectory() as tmp:
-        dcp_to_torch_save(str(step_dir), f"{tmp}/all.pt")
-        state = torch.load(f"{tmp}/all.pt", weights_only=False)
-    flat: dict[str, torch.Tensor] = {}
-
-    def walk(prefix: str, node: object) -> None:
-        if torch.is_tensor(node):
-            flat[prefix] = node
-        elif isinstance(node, dict):
-            for k, v in node.items():
-                walk(f"{prefix}.{k}" if prefix else str(k), v)
-
-    walk("", state)
-    return flat
-
-
 @pytest.fixture(scope="module")
 def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("fsdp_faults")
@@ -79,7 +59,7 @@ def reference(root: Path):  # noqa: ANN201
         if layout not in done:
             rc, log = _launch("none", root / "ref", layout, layout)
             assert rc == 0, log[-3000:]
-            done[layout] = final_tensors(root / "ref" / layout / "checkpoints" / f"step_{STEPS:08d}")
+            done[layout] = checkpoint_tensors(root / "ref" / layout / "checkpoints" / f"step_{STEPS:08d}")
         return done[layout]
 
     return get
@@ -110,7 +90,7 @@ def test_sigkill_then_resume_is_bitwise_identical(root: Path, reference, layout:
     rc, log = _launch("none", out, name, layout)
     assert rc == 0, log[-3000:]
     assert any(f"resumed from {ckpts / f'step_{s:08d}'} at step {s}" in log for s in resumed_from), log[-3000:]
-    _assert_bitwise(final_tensors(ckpts / f"step_{STEPS:08d}"), reference(layout))
+    _assert_bitwise(checkpoint_tensors(ckpts / f"step_{STEPS:08d}"), reference(layout))
 
 
 def test_elastic_restart_after_worker_failure(root: Path, reference) -> None:  # noqa: ANN001
@@ -119,7 +99,7 @@ def test_elastic_restart_after_worker_failure(root: Path, reference) -> None:  #
     assert rc == 0, log[-3000:]
     assert "injected worker failure" in log and "finished at step 6" in log
     assert f"resumed from {out / 'dp2' / 'checkpoints' / 'step_00000002'} at step 2" in log, log[-3000:]
-    _assert_bitwise(final_tensors(out / "dp2" / "checkpoints" / f"step_{STEPS:08d}"), reference("dp2"))
+    _assert_bitwise(checkpoint_tensors(out / "dp2" / "checkpoints" / f"step_{STEPS:08d}"), reference("dp2"))
 
 
 @pytest.fixture

@@ -16,13 +16,13 @@ import os
 import shutil
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import pytest
 import torch
 
 from loong.core.checkpoint import read_state, verify_checkpoint
+from loong.core.checkpoint.inspect import checkpoint_tensors
 from loong.core.errors import LoongError
 
 pytestmark = pytest.mark.slow
@@ -54,18 +54,8 @@ def _launch(fault: str, out: Path, name: str, layout: str, *extra: str, max_rest
     return rc, log.read_text()
 
 
-def final_tensors(step_dir: Path) -> dict[str, torch.Tensor]:
-    """Every tensor of a checkpoint (model and optimiser), read without building a model."""
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-
-    with tempfile.TemporaryDirectory() as tmp:
-        dcp_to_torch_save(str(step_dir), f"{tmp}/all.pt")
-        state = torch.load(f"{tmp}/all.pt", weights_only=False)
-    return {k: v for k, v in state.items() if torch.is_tensor(v)}
-
-
 def assert_bitwise_equal(got: Path, want: Path) -> None:
-    a, b = final_tensors(got), final_tensors(want)
+    a, b = checkpoint_tensors(got), checkpoint_tensors(want)
     assert sorted(a) == sorted(b)
     assert any(k.startswith("optimizer") for k in a)  # Adam moments are compared too
     differ = [k for k in a if not torch.equal(a[k], b[k])]
@@ -275,7 +265,7 @@ def test_nonfinite_skip(tmp_path: Path) -> None:
     assert [r["nonfinite_skipped"] for r in _records(run) if "nonfinite_skipped" in r] == [1]
     final = run / "checkpoints" / f"step_{STEPS:08d}"
     assert read_state(final)["nonfinite_steps"] == 1
-    assert all(torch.isfinite(t).all() for t in final_tensors(final).values() if t.is_floating_point())
+    assert all(torch.isfinite(t).all() for t in checkpoint_tensors(final).values() if t.is_floating_point())
 
 
 def test_nonfinite_rollback_skips_the_batch(tmp_path: Path) -> None:

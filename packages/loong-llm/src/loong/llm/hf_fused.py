@@ -40,7 +40,7 @@ from transformers.models.llama.modeling_llama import (
 
 from loong.core.errors import LoongError
 from loong.kernels import apply_rope, fused_linear_cross_entropy, rms_norm, swiglu
-from loong.llm.models.fused import FUSED_MODES, FusedKernels
+from loong.llm.models.fused import FusedKernels, fused_backend
 
 
 def resolve_hf_fused_kernels(mode: str, capabilities: set[str]) -> FusedKernels:
@@ -51,16 +51,8 @@ def resolve_hf_fused_kernels(mode: str, capabilities: set[str]) -> FusedKernels:
     instead of falling back); a :class:`LoongError` where ``triton`` is not reported. Transformer Engine and tensor
     parallelism, which limit the megatron plan, play no part: the HF model uses neither.
     """
-    if mode not in FUSED_MODES:
-        raise LoongError(f"model.fused_kernels must be one of {', '.join(FUSED_MODES)}, got {mode!r}")
-    if mode == "off":
-        return FusedKernels()
-    if "triton" not in capabilities:
-        if mode == "on":
-            raise LoongError("model.fused_kernels=on: this accelerator does not report the 'triton' capability "
-                             f"(it reports: {', '.join(sorted(capabilities)) or 'none'}); use auto or off")
-        return FusedKernels()
-    return FusedKernels.everything("triton" if mode == "on" else "auto")
+    backend = fused_backend(mode, capabilities)
+    return FusedKernels() if backend is None else FusedKernels.everything(backend)
 
 
 class FusedLlamaRMSNorm(nn.Module):

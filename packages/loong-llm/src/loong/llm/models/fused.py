@@ -49,6 +49,24 @@ class FusedKernels:
         return cls(norm=True, swiglu=True, rope=True, cross_entropy=True, backend=backend)
 
 
+def fused_backend(mode: str, capabilities: set[str]) -> Literal["auto", "triton"] | None:
+    """The kernels' backend for ``model.fused_kernels=mode``: None (fuse nothing: ``off``, or ``auto`` without the
+    ``triton`` capability), ``auto`` or ``triton`` (``on``); ``on`` without ``triton`` is a :class:`LoongError`."""
+    if mode not in FUSED_MODES:
+        raise LoongError(f"model.fused_kernels must be one of {', '.join(FUSED_MODES)}, got {mode!r}")
+    if mode == "off":
+        return None
+    if "triton" not in capabilities:
+        if mode == "on":
+            raise LoongError(
+                "model.fused_kernels=on needs the Triton kernels of loong-kernels, but this accelerator does not "
+                f"report the 'triton' capability (it reports: {', '.join(sorted(capabilities)) or 'none'}); "
+                "use model.fused_kernels=auto (fused where available) or off"
+            )
+        return None
+    return "triton" if mode == "on" else "auto"
+
+
 def resolve_fused_kernels(mode: str, capabilities: set[str], config: TransformerConfig) -> FusedKernels:
     """The plan for ``model.fused_kernels=mode`` on an accelerator with ``capabilities``.
 
@@ -62,17 +80,8 @@ def resolve_fused_kernels(mode: str, capabilities: set[str], config: Transformer
     so only the loss is ours. The fused cross-entropy needs the whole vocabulary on one rank (TP = 1);
     RoPE needs context parallelism off and no per-layer ``no_rope``.
     """
-    if mode not in FUSED_MODES:
-        raise LoongError(f"model.fused_kernels must be one of {', '.join(FUSED_MODES)}, got {mode!r}")
-    if mode == "off":
-        return FusedKernels()
-    if "triton" not in capabilities:
-        if mode == "on":
-            raise LoongError(
-                "model.fused_kernels=on needs the Triton kernels of loong-kernels, but this accelerator does not "
-                f"report the 'triton' capability (it reports: {', '.join(sorted(capabilities)) or 'none'}); "
-                "use model.fused_kernels=auto (fused where available) or off"
-            )
+    backend = fused_backend(mode, capabilities)
+    if backend is None:
         return FusedKernels()
     layers = "transformer_engine" not in capabilities
     return FusedKernels(
@@ -80,7 +89,7 @@ def resolve_fused_kernels(mode: str, capabilities: set[str], config: Transformer
         swiglu=layers and config.gated_linear_unit and config.activation_func is F.silu,
         rope=layers and config.context_parallel_size == 1 and not config.no_rope_freq,
         cross_entropy=config.tensor_model_parallel_size == 1,
-        backend="triton" if mode == "on" else "auto",
+        backend=backend,
     )
 
 
