@@ -121,6 +121,11 @@ def test_nonfinite_policies(tmp_path: Path, faulty_run) -> None:  # noqa: ANN001
     assert '"rollback_to": 2' in log and '"skipped_batch": 2' in log
 
 
+def test_nonfinite_gradient_names_its_parameters(tmp_path: Path, faulty_run) -> None:  # noqa: ANN001
+    with pytest.raises(LoongError, match=r"step 3.*norm\.weight"):
+        faulty_run("nangrad:3", str(tmp_path), "nangrad", "single")
+
+
 def test_sigterm_saves_and_stops(tmp_path: Path, faulty_run) -> None:  # noqa: ANN001
     result = faulty_run("term:3", str(tmp_path), "term", "single")
     assert result.interrupted and result.last_step == 3

@@ -10,6 +10,7 @@
                  ``TORCHELASTIC_RESTART_COUNT`` is 0): an elastic restart then succeeds;
 - ``term:N``     SIGTERM to this process in step N's loss: the run saves at the step's end and stops;
 - ``nan:N``      the loss of step N's batch is NaN every time that batch is trained on;
+- ``nangrad:N``  step N's loss stays finite but the final norm's weight gets a NaN gradient;
 - ``oom:N``      step N's second micro-batch raises torch's ``OutOfMemoryError`` (rank 0).
 
 LAYOUT: ``single`` / ``dp2`` (FSDP over two ranks) / ``hybrid`` (HSDP 2x1), with ``-async`` for
@@ -25,6 +26,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 
+import torch  # noqa: E402
 from toy_tasks import ToyLlamaTask, toy_config  # noqa: E402
 
 from loong.core.registry import TASKS  # noqa: E402
@@ -33,6 +35,18 @@ from loong.core.run import run  # noqa: E402
 FAULT = ("none", 0)
 STEPS = 6
 LAYOUTS = {"single": {}, "dp2": {"fsdp": "full"}, "hybrid": {"fsdp": "hybrid", "dp_replicate": 2}}
+
+
+class _NaNGradient(torch.autograd.Function):
+    """Identity forward; a NaN gradient backward."""
+
+    @staticmethod
+    def forward(ctx, x):  # noqa: ANN001, ANN205
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):  # noqa: ANN001, ANN205
+        return torch.full_like(g, float("nan"))
 
 
 @TASKS.register("test.faulty_toy")
@@ -56,14 +70,14 @@ class FaultyToyTask(ToyLlamaTask):
             if kind == "raise" and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
                 raise RuntimeError("injected worker failure")
             if kind == "oom":
-                import torch
-
                 raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 7.00 GiB (injected)")
             if kind == "term":
                 os.kill(os.getpid(), signal.SIGTERM)
         loss, metrics = super().loss(model, batch)
         if kind == "nan" and here:
             loss = loss * float("nan")
+        if kind == "nangrad" and here:
+            loss = loss + 0.0 * _NaNGradient.apply(model.norm.weight).sum()  # a finite loss, a NaN gradient
         return loss, metrics
 
     def save_artifacts(self, checkpoint_dir):  # noqa: ANN001, ANN201

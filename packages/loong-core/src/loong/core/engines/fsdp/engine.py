@@ -142,14 +142,16 @@ class FSDPEngine(Engine):
             return torch.autocast(self.device.type, dtype=self.dtype)
         return contextlib.nullcontext()
 
-    def _mean_over_dp_cp(self, losses: list[torch.Tensor]) -> float:
+    def _mean_over_dp_cp(self, losses: list[torch.Tensor]) -> torch.Tensor:
+        """The micro-batch losses' mean, averaged over data × context parallelism (on the device: no host sync)."""
         if not losses:
-            return math.nan
+            return torch.tensor(math.nan, device=self.device)
         total = torch.stack([x.float().reshape(()) for x in losses]).mean().to(self.device)
         dist.all_reduce(total, group=self.layout.dp_cp_group)
-        return float(total) / dist.get_world_size(self.layout.dp_cp_group)
+        return total / dist.get_world_size(self.layout.dp_cp_group)
 
-    def _run(self, batches: Any, nmb: int, backward: bool) -> float:
+    def _run(self, batches: Any, nmb: int, backward: bool) -> list[torch.Tensor]:
+        """Forward (and backward) of ``nmb`` micro-batches; their detached losses."""
         losses = []
         for i, batch in enumerate(batches):
             if i == nmb:
@@ -161,16 +163,17 @@ class FSDPEngine(Engine):
             losses.append(loss.detach())
         if len(losses) != nmb:
             raise LoongError(f"the task gave {len(losses)} micro-batches for a step of {nmb}")
-        return self._mean_over_dp_cp(losses)
+        return losses
 
-    def _grad_flags(self, loss: float) -> tuple[bool, bool]:
-        flags = torch.zeros(2, device=self.device)
-        flags[0] = float(not math.isfinite(loss))
-        for p in self.params:
-            if p.grad is not None:
-                flags[1] = torch.maximum(flags[1], (~torch.isfinite(_local(p.grad))).any().float())
-        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-        return bool(flags[0] > 0), bool(flags[1] > 0)
+    def _grad_norm(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The whole model's gradient norm (reduced across shards; NaN/Inf exactly when some gradient is), as the
+        clipping takes it (a DTensor under FSDP2) and as a plain tensor."""
+        grads = [p.grad for p in self.params if p.grad is not None]
+        if not grads:
+            zero = torch.zeros((), device=self.device)
+            return zero, zero
+        norm = torch.nn.utils.get_total_norm(grads, foreach=True)
+        return norm, norm.full_tensor() if isinstance(norm, DTensor) else norm
 
     def _nonfinite_params(self) -> list[str]:
         local = sorted({clean_name(n) for n, p in self.model.named_parameters()
@@ -197,15 +200,19 @@ class FSDPEngine(Engine):
         started = time.perf_counter()
         if self.probe is not None:
             self.probe.reset()
-        loss = self._run(self.task.train_microbatches(step, nmb), nmb, backward=True)
+        losses = self._run(self.task.train_microbatches(step, nmb), nmb, backward=True)
         extra: dict[str, float] = {}
-        if self.task.measures_compute_time():
+        if self.task.measures_compute_time():  # this rank's own compute, before anything waits for the others
             self.accelerator.synchronize()
             extra["compute_s"] = time.perf_counter() - started
+        loss_t = self._mean_over_dp_cp(losses)
+        norm_clip, norm_t = self._grad_norm()
+        # the step's one host sync: loss and gradient norm together (a NaN/Inf gradient makes the norm NaN/Inf)
+        loss, norm = torch.stack([loss_t.float(), norm_t.float().to(self.device)]).tolist()
         if not self._compile_reported:
             self._report_compile()
         lr = lr_at(self.num_steps, t)
-        loss_bad, grads_bad = self._grad_flags(loss)
+        loss_bad, grads_bad = not math.isfinite(loss), not math.isfinite(norm)
         if loss_bad or grads_bad:
             names = self._nonfinite_params() if grads_bad else []
             origin = None
@@ -217,22 +224,22 @@ class FSDPEngine(Engine):
             extra.update(loss_finite=float(not loss_bad), grads_nonfinite=float(grads_bad))
             return StepMetrics(loss=loss, lr=lr, skipped=True, nonfinite=True, extra=extra,
                                nonfinite_params=names, nonfinite_origin=origin)
-        max_norm = t.clip_grad if t.clip_grad > 0 else math.inf
-        norm = torch.nn.utils.clip_grad_norm_(self.params, max_norm, foreach=True)
-        norm = norm.full_tensor() if isinstance(norm, DTensor) else norm
+        if t.clip_grad > 0:
+            torch.nn.utils.clip_grads_with_norm_(self.params, t.clip_grad, norm_clip, foreach=True)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         self.optimizer.step()
         self.num_steps += 1
-        return StepMetrics(loss=loss, grad_norm=float(norm), lr=lr, extra=extra)
+        return StepMetrics(loss=loss, grad_norm=norm, lr=lr, extra=extra)
 
     @torch.no_grad()
     def eval_loss(self, iters: int) -> float | None:
         if iters <= 0:
             return None
         self.model.eval()
-        losses = [self._run(self.task.eval_microbatches(i, self.num_microbatches), self.num_microbatches,
-                            backward=False) for i in range(iters)]
+        losses = [float(self._mean_over_dp_cp(self._run(self.task.eval_microbatches(i, self.num_microbatches),
+                                                        self.num_microbatches, backward=False)))
+                  for i in range(iters)]
         self.model.train()
         return sum(losses) / len(losses)
 
