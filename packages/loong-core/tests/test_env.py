@@ -41,6 +41,16 @@ def test_missing_libraries_read_not_installed() -> None:
     assert "  flash-attn          not installed" in env.format_text(info).splitlines()
 
 
+def test_engines_and_what_each_needs(monkeypatch: pytest.MonkeyPatch) -> None:
+    info = env.collect(environ={})
+    assert info["engines"]["megatron"] == f"megatron-core {importlib.metadata.version('megatron-core')}"
+    assert info["engines"]["fsdp"].endswith(importlib.metadata.version("torch"))
+    real = env._version
+    monkeypatch.setattr(env, "_version", lambda names: None if names == ("megatron-core",) else real(names))
+    text = env.format_text(env.collect(environ={}))
+    assert "  megatron  not installed: megatron-core (pip install 'loong-core[megatron]')" in text.splitlines()
+
+
 def test_accelerators_availability_capabilities_and_choice() -> None:
     info = env.collect(environ={})
     rows = {r["name"]: r for r in info["accelerators"]}

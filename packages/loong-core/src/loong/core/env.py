@@ -110,6 +110,22 @@ def environment_vars(patterns: list[str], environ: Mapping[str, str] | None = No
     return out
 
 
+#: engine -> (the library it needs, the distribution that provides it, how to install it)
+ENGINE_LIBRARIES: dict[str, tuple[str, str, str]] = {
+    "megatron": ("megatron-core", "megatron-core", "pip install 'loong-core[megatron]'"),
+    "fsdp": ("torch.distributed.fsdp (FSDP2)", "torch", "part of torch"),
+}
+
+
+def engines() -> dict[str, str]:
+    """Each engine and whether it can run here (its library installed), without importing either."""
+    out = {}
+    for name, (library, dist, how) in ENGINE_LIBRARIES.items():
+        version = _version((dist,))
+        out[name] = f"{library} {version}" if version else f"not installed: {library} ({how})"
+    return out
+
+
 def collect(environ: Mapping[str, str] | None = None) -> dict[str, Any]:
     """Everything ``loong env`` reports, as plain data (what ``--json`` prints)."""
     found, failed = load_accelerators()
@@ -119,6 +135,7 @@ def collect(environ: Mapping[str, str] | None = None) -> dict[str, Any]:
                    "platform": platform.platform()},
         "loong": _guard(loong_packages),
         "libraries": {lib: _version(names) for lib, names in LIBRARIES.items()},
+        "engines": engines(),
         "accelerator_group": GROUP,
         "accelerators": rows,
         "selected": selected,
@@ -158,6 +175,8 @@ def format_text(info: dict[str, Any]) -> str:
     lines += _table(loong) if isinstance(loong, dict) and loong else [f"  {loong or '(none found)'}"]
     lines += ["", "Libraries"]
     lines += _table({k: v or "not installed" for k, v in info["libraries"].items()})
+    lines += ["", "Engines"]
+    lines += _table(info.get("engines") or {})
     lines += ["", f"Accelerators (entry-point group {info['accelerator_group']}, highest priority first)"]
     width = max((len(r["name"]) for r in info["accelerators"]), default=0)
     for row in info["accelerators"]:
