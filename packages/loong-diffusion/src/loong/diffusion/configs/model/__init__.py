@@ -1,0 +1,1 @@
+"""The ``model`` config group: one file per Wan preset (``model=NAME``)."""

@@ -1,0 +1,53 @@
+"""Flow matching as Wan trains: x_t = (1 − σ)·x₀ + σ·ε, the target ε − x₀, the timestep 1000·σ.
+
+σ comes from uniform or logit-normal sampling, then Wan's shift σ' = shift·σ / (1 + (shift − 1)·σ); the text
+condition is dropped (zeros) with probability ``text_drop_prob`` for classifier-free guidance. A sample's noise, σ
+and drop come from a generator seeded by (seed, sample index), so every parallel layout and a resumed run draw
+the same ones.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+
+#: Wan's timesteps run over [0, 1000]
+NUM_TRAIN_TIMESTEPS = 1000
+
+
+def shift_sigma(sigma: torch.Tensor, shift: float) -> torch.Tensor:
+    """Wan's (and SD3's) timestep shift: ``shift·σ / (1 + (shift − 1)·σ)``; 1 leaves σ unchanged."""
+    return shift * sigma / (1 + (shift - 1) * sigma)
+
+
+def sample_sigma(generator: torch.Generator, sampling: Literal["uniform", "logit_normal"], shift: float = 1.0,
+                 logit_mean: float = 0.0, logit_std: float = 1.0) -> torch.Tensor:
+    """One σ in [0, 1] (a 0-d tensor): uniform, or sigmoid of N(``logit_mean``, ``logit_std``²); then shifted."""
+    if sampling == "uniform":
+        sigma = torch.rand((), generator=generator)
+    else:
+        sigma = torch.sigmoid(logit_mean + logit_std * torch.randn((), generator=generator))
+    return shift_sigma(sigma, shift)
+
+
+def noisy_sample(x0: torch.Tensor, noise: torch.Tensor, sigma: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(x_t, target)`` = ``((1 − σ)·x₀ + σ·ε, ε − x₀)``; ``sigma`` broadcasts against ``x0``."""
+    return (1 - sigma) * x0 + sigma * noise, noise - x0
+
+
+def flow_sample(x0: torch.Tensor, text: torch.Tensor, seed: int, index: int, *, sampling: Literal["uniform",
+                "logit_normal"] = "uniform", shift: float = 1.0, logit_mean: float = 0.0, logit_std: float = 1.0,
+                text_drop_prob: float = 0.0) -> dict[str, torch.Tensor]:
+    """Sample ``index`` of a run seeded ``seed`` as the model trains on it: ``noisy`` x_t, ``target`` ε − x₀,
+    ``timestep`` 1000·σ (0-d), ``text`` (zeros when dropped) and ``sigma``."""
+    g = torch.Generator().manual_seed(seed * 1_000_003 + index)
+    sigma = sample_sigma(g, sampling, shift, logit_mean, logit_std)
+    drop = bool(torch.rand((), generator=g) < text_drop_prob)
+    noise = torch.randn(x0.shape, generator=g, dtype=x0.dtype)
+    noisy, target = noisy_sample(x0, noise, sigma)
+    return {"noisy": noisy, "target": target, "timestep": NUM_TRAIN_TIMESTEPS * sigma, "sigma": sigma,
+            "text": torch.zeros_like(text) if drop else text}
+
+
+__all__ = ["NUM_TRAIN_TIMESTEPS", "flow_sample", "noisy_sample", "sample_sigma", "shift_sigma"]
