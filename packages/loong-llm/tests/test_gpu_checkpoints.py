@@ -15,7 +15,9 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from test_fault_tolerance import _launch, final_tensors  # noqa: E402  (the CPU harness, same folder)
+from test_fault_tolerance import _launch  # noqa: E402  (the CPU harness, same folder)
+
+from loong.core.checkpoint.inspect import checkpoint_tensors  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
@@ -31,8 +33,8 @@ def test_async_save_kill_and_resume_on_gpu(tmp_path: Path) -> None:
     rc, log = _launch("none", tmp_path, "killed", "tp1", *extra)
     assert rc == 0 and "resumed from" in log, log[-3000:]
     assert "(cuda," in log
-    a = final_tensors(tmp_path / "ref" / "checkpoints" / "step_00000006")
-    b = final_tensors(tmp_path / "killed" / "checkpoints" / "step_00000006")
+    a = checkpoint_tensors(tmp_path / "ref" / "checkpoints" / "step_00000006")
+    b = checkpoint_tensors(tmp_path / "killed" / "checkpoints" / "step_00000006")
     assert sorted(a) == sorted(b)
     identical = sum(torch.equal(a[k], b[k]) for k in a)
     print(f"{identical}/{len(a)} tensors bitwise identical after kill + resume on GPU")
