@@ -87,3 +87,24 @@ def test_every_preset_has_its_config_file() -> None:
 def test_env_command() -> None:
     rc, text = _main("env")
     assert rc == 0 and "Loong environment" in text
+
+
+def test_save_hf_exports_a_diffusers_folder_that_init_from_diffusers_continues(tmp_path: Path) -> None:
+    """The exported folder holds the trained weights: a run started from it with lr=0 evaluates to the same loss."""
+    common = ["train.progress=false", "train.eval_iters=1", f"output_dir={tmp_path}"]
+    rc, log = _main("train", *common, "run_name=a", "train.steps=3", "train.eval_interval=3", "train.save_hf=true",
+                    "model.recompute=selective")
+    assert rc == 0, log
+    hf = tmp_path / "a" / "hf"
+    from diffusers import WanTransformer3DModel
+
+    assert WanTransformer3DModel.from_pretrained(hf).config.num_layers == PRESETS["tiny"].num_layers
+    rc, log = _main("train", *common, "run_name=b", "train.steps=1", "train.eval_interval=1", "train.lr=0",
+                    "train.min_lr=0", f"model.init_from_diffusers={hf}")
+    assert rc == 0, log
+
+    def evaluated(run: str) -> float:
+        lines = (tmp_path / run / "metrics.jsonl").read_text().splitlines()
+        return [r["eval_loss"] for r in map(json.loads, lines) if "eval_loss" in r][-1]
+
+    assert evaluated("b") == pytest.approx(evaluated("a"), rel=1e-6)

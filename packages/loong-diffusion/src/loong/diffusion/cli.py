@@ -54,7 +54,8 @@ def _run_train(args: argparse.Namespace) -> int:
         print(f"loss {result.first_loss:.4f} -> {result.last_loss:.4f} ({drop:.0%} lower) "
               f"in {result.summary['steps']} steps, {result.summary['wall_s']} s", file=sys.stderr)
         print(f"wrote {result.run_dir}/: checkpoints/ ({result.checkpoint.name if result.checkpoint else '-'}), "
-              "metrics.jsonl, tensorboard/, loss.png", file=sys.stderr)
+              "metrics.jsonl, tensorboard/, loss.png" + (f", hf/ (diffusers: {result.hf_dir})" if result.hf_dir else ""),
+              file=sys.stderr)
     if result.interrupted:
         print(f"interrupted: saved {result.checkpoint}; rerun with run_name={result.run_dir.name} "
               "to resume", file=sys.stderr)

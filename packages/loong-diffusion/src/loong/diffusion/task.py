@@ -10,11 +10,13 @@ and takes the MSE against the same shard of the target, and the engine averages 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from loong.core.attention import shard_sequence
 from loong.core.engines.fsdp.task import FSDPTask
@@ -22,7 +24,7 @@ from loong.core.errors import LoongError
 from loong.core.registry import TASKS
 from loong.diffusion.data.synthetic import MovingShapes
 from loong.diffusion.flow import flow_sample
-from loong.diffusion.models.wan import WanConfig, WanTransformer
+from loong.diffusion.models.wan import WanConfig, WanTransformer, save_diffusers
 from loong.diffusion.models.wan.mapping import config_to_diffusers, from_diffusers, read_diffusers_folder
 from loong.diffusion.models.wan.model import to_patches
 
@@ -131,6 +133,16 @@ class WanTask(FSDPTask):
         pred = model(batch["noisy"], batch["timestep"], batch["text"])
         target = shard_sequence(to_tokens(batch["target"], self.wan), self.layout.cp_groups, dim=1)
         return F.mse_loss(pred.float(), target.float()), {}
+
+    def export(self, model: nn.Module, out_dir: Path) -> Path | None:
+        """``train.save_hf``: the trained weights as a diffusers ``WanTransformer3DModel`` folder ``out_dir``
+        (collective: every rank gathers, the logging rank writes)."""
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)  # whole tensors, on rank 0 only
+        state = get_model_state_dict(model, options=options)
+        if not self.layout.is_logging_rank:
+            return None
+        wan = {key.removeprefix("wan."): value for key, value in state.items()}
+        return save_diffusers(wan, self.wan, out_dir)
 
     # --- accounting --------------------------------------------------------------------------
     def tokens_per_step(self) -> int:
