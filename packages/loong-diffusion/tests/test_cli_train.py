@@ -108,3 +108,21 @@ def test_save_hf_exports_a_diffusers_folder_that_init_from_diffusers_continues(t
         return [r["eval_loss"] for r in map(json.loads, lines) if "eval_loss" in r][-1]
 
     assert evaluated("b") == pytest.approx(evaluated("a"), rel=1e-6)
+
+
+def test_a_resumed_run_continues_exactly(tmp_path: Path) -> None:
+    """Samples, noise and σ are functions of the stream index: 3 steps resumed to 6 equal 6 uninterrupted steps."""
+    common = ["train.progress=false", "train.eval_interval=0", "train.lr_decay_style=constant",
+              "train.warmup_steps=2", f"output_dir={tmp_path}"]
+    for argv in (["run_name=u", "train.steps=6"], ["run_name=r", "train.steps=3"], ["run_name=r", "train.steps=6"]):
+        rc, log = _main("train", *common, *argv)
+        assert rc == 0, log
+    assert "resumed from" in log and "at step 3" in log
+
+    def losses(run: str) -> dict[int, float]:
+        lines = (tmp_path / run / "metrics.jsonl").read_text().splitlines()
+        return {r["step"]: r["train_loss"] for r in map(json.loads, lines) if "train_loss" in r}
+
+    resumed, whole = losses("r"), losses("u")
+    assert sorted(resumed) == list(range(1, 7))
+    assert [resumed[s] for s in range(4, 7)] == pytest.approx([whole[s] for s in range(4, 7)], rel=1e-6)
