@@ -85,6 +85,31 @@ def _strip_launch_options(argv: list[str]) -> tuple[dict[str, int], list[str]]:
     return found, out
 
 
+def run_train(config_module: str, config_name: str, overrides: list[str], schema: type,
+              export_label: str = "hf/") -> int:
+    """A modality's ``train`` command: the walk (progress on stderr), then what it did in two lines, on the
+    logging rank (``export_label``: how the exported folder is named in the summary)."""
+    from loong.core.run import train
+
+    def echo(msg: str) -> None:
+        print(msg, file=sys.stderr)
+
+    result = train(config_module, config_name, overrides, schema, echo=echo)
+    if not result.is_logging_rank:
+        return 0
+    if result.first_loss is not None and result.last_loss is not None:
+        drop = 1 - result.last_loss / result.first_loss
+        print(f"loss {result.first_loss:.4f} -> {result.last_loss:.4f} ({drop:.0%} lower) "
+              f"in {result.summary['steps']} steps, {result.summary['wall_s']} s", file=sys.stderr)
+        print(f"wrote {result.run_dir}/: checkpoints/ ({result.checkpoint.name if result.checkpoint else '-'}), "
+              f"metrics.jsonl, tensorboard/, loss.png" + (f", {export_label} ({result.hf_dir})" if result.hf_dir else ""),
+              file=sys.stderr)
+    if result.interrupted:
+        print(f"interrupted: saved {result.checkpoint}; rerun with run_name={result.run_dir.name} "
+              "to resume", file=sys.stderr)
+    return 0
+
+
 def _setup_env(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print the report as JSON")
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from loong.core.cli import Command, make_cli
+from loong.core.cli import Command, make_cli, run_train
 
 CONFIG_MODULE = "loong.diffusion.configs"
 CONFIG_NAME = "train"
@@ -40,26 +40,9 @@ def _setup_train(p: argparse.ArgumentParser) -> None:
 
 
 def _run_train(args: argparse.Namespace) -> int:
-    from loong.core.run import train
     from loong.diffusion.schema import DiffusionRunConfig
 
-    def echo(msg: str) -> None:
-        print(msg, file=sys.stderr)
-
-    result = train(CONFIG_MODULE, CONFIG_NAME, args.overrides, DiffusionRunConfig, echo=echo)
-    if not result.is_logging_rank:
-        return 0
-    if result.first_loss is not None and result.last_loss is not None:
-        drop = 1 - result.last_loss / result.first_loss
-        print(f"loss {result.first_loss:.4f} -> {result.last_loss:.4f} ({drop:.0%} lower) "
-              f"in {result.summary['steps']} steps, {result.summary['wall_s']} s", file=sys.stderr)
-        print(f"wrote {result.run_dir}/: checkpoints/ ({result.checkpoint.name if result.checkpoint else '-'}), "
-              "metrics.jsonl, tensorboard/, loss.png" + (f", hf/ (diffusers: {result.hf_dir})" if result.hf_dir else ""),
-              file=sys.stderr)
-    if result.interrupted:
-        print(f"interrupted: saved {result.checkpoint}; rerun with run_name={result.run_dir.name} "
-              "to resume", file=sys.stderr)
-    return 0
+    return run_train(CONFIG_MODULE, CONFIG_NAME, args.overrides, DiffusionRunConfig, export_label="hf/ (diffusers)")
 
 
 main = make_cli(
