@@ -9,6 +9,7 @@ samples and a resumed run continues exactly.
 from __future__ import annotations
 
 import math
+from abc import abstractmethod
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -19,6 +20,7 @@ from torch import nn
 
 from loong.core.attention import CPGroups, cp_attention, shard_sequence
 from loong.core.config.schema import RunConfig
+from loong.core.data import rank_microbatches
 from loong.core.engines.fsdp.task import FSDPTask
 from loong.core.registry import TASKS
 
@@ -159,16 +161,13 @@ class _ToyTask(FSDPTask):
         t = self.cfg.train
         self.gbs, self.mbs, self.seq = t.global_batch_size, t.micro_batch_size, t.seq_length
 
+    @abstractmethod
     def sample(self, index: int) -> dict[str, torch.Tensor]:
-        raise NotImplementedError
+        """Sample ``index`` of the stream (a pure function of the seed and the index)."""
 
     def _batches(self, offset: int, step: int, num_microbatches: int) -> Iterator[dict]:
-        per_rank = self.gbs // self.layout.dp
-        first = offset + step * self.gbs + self.layout.dp_rank * per_rank
-        mbs = per_rank // num_microbatches
-        for m in range(num_microbatches):
-            samples = [self.sample(first + m * mbs + i) for i in range(mbs)]
-            yield {k: torch.stack([s[k] for s in samples]) for k in samples[0]}
+        return rank_microbatches(self.sample, offset + step * self.gbs, self.gbs, self.layout.dp, self.layout.dp_rank,
+                                 num_microbatches)
 
     def train_microbatches(self, step: int, num_microbatches: int) -> Iterator[dict]:
         return self._batches(0, step, num_microbatches)

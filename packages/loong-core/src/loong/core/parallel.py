@@ -11,6 +11,7 @@ from __future__ import annotations
 import datetime
 import os
 import socket
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,7 +23,7 @@ from loong.core.config.schema import ParallelConfig
 
 
 @dataclass
-class ParallelLayout:
+class ParallelLayout(ABC):
     """A resolved layout: sizes and this rank's coordinates. Engines subclass it with their groups."""
 
     config: ParallelConfig
@@ -39,14 +40,14 @@ class ParallelLayout:
         return self.config.cp
 
     @property
+    @abstractmethod
     def dp_rank(self) -> int:
         """This rank's index among the data-parallel replicas (which slice of the global batch it reads)."""
-        raise NotImplementedError
 
     @property
+    @abstractmethod
     def is_logging_rank(self) -> bool:
         """The one rank that prints and writes logs."""
-        raise NotImplementedError
 
     def describe(self) -> str:
         """The layout in a few words, for the run's first line (``tp=2 pp=1 dp=4``)."""

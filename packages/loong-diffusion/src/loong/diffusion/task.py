@@ -19,6 +19,7 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from loong.core.attention import shard_sequence
+from loong.core.data import rank_microbatches
 from loong.core.engines.fsdp.task import FSDPTask
 from loong.core.errors import LoongError
 from loong.core.registry import TASKS
@@ -97,12 +98,8 @@ class WanTask(FSDPTask):
         return {"noisy": s["noisy"], "target": s["target"], "timestep": timestep, "text": s["text"]}
 
     def _batches(self, offset: int, step: int, num_microbatches: int) -> Iterator[dict]:
-        per_rank = self.gbs // self.layout.dp
-        first = offset + step * self.gbs + self.layout.dp_rank * per_rank
-        mbs = per_rank // num_microbatches
-        for m in range(num_microbatches):
-            samples = [self.sample(first + m * mbs + i) for i in range(mbs)]
-            yield {k: torch.stack([s[k] for s in samples]) for k in samples[0]}
+        return rank_microbatches(self.sample, offset + step * self.gbs, self.gbs, self.layout.dp, self.layout.dp_rank,
+                                 num_microbatches)
 
     def train_microbatches(self, step: int, num_microbatches: int) -> Iterator[dict]:
         return self._batches(0, step, num_microbatches)

@@ -80,15 +80,15 @@ def load(model: nn.Module, optimizer: torch.optim.Optimizer, directory: Path, lo
 class DCPPendingSave(PendingSave):
     """A ``dcp.async_save`` in flight; ``finish`` agrees over all ranks that every write ended."""
 
-    def __init__(self, future: Any, finalize: Callable[[], None], group: Any, device: torch.device) -> None:
+    def __init__(self, future: Any, finalize: Callable[[], None], device: torch.device) -> None:
         self.future: Future = getattr(future, "upload_completion", future)  # torch >= 2.9 may return a response
-        self.finalize, self.group, self.device = finalize, group, device
+        self.finalize, self.device = finalize, device
 
     def finish(self, blocking: bool) -> bool:
         if blocking:
             self.future.result()
         done = torch.tensor([1.0 if self.future.done() else 0.0], device=self.device)
-        dist.all_reduce(done, op=dist.ReduceOp.MIN, group=self.group)
+        dist.all_reduce(done, op=dist.ReduceOp.MIN)
         if done.item() < 1.0:
             return False
         self.future.result()  # raises here if the write failed
@@ -101,4 +101,4 @@ def save_async(model: nn.Module, optimizer: torch.optim.Optimizer, directory: Pa
     """Stage the state to host memory now and write it in a background thread (``train.async_save``)."""
     future = dcp.async_save(training_state(model, optimizer), checkpoint_id=str(directory),
                             process_group=cpu_group)
-    return DCPPendingSave(future, finalize, None, device)
+    return DCPPendingSave(future, finalize, device)
