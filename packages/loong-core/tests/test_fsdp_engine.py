@@ -1,6 +1,7 @@
 """The fsdp engine against one process: toy LLaMA- and DiT-like models (``workers/toy_tasks.py``) trained at
 FSDP dp_shard=2, HSDP 2x1 and 1x2, DDP, with recomputation full/selective, frozen parameters and CPU offload give the
-single-process losses, gradients (after clipping across shards) and weights over 10 steps (fp32, 1e-5). So do
+single-process losses, gradients (after clipping across shards) and weights over 10 steps (fp32, 1e-5), and with
+``train.ema_decay`` the moving averages of the weights, which equal the hand-computed recursion. So do
 context-parallel layouts (world 4): Ulysses 2, ring 2, Ulysses x ring 2x2, ring under HSDP, Ulysses under DDP,
 with the DiT's bidirectional self-attention and its cross-attention to the replicated text, and the LLaMA's causal
 attention. A checkpoint saved at dp_shard=2 resumes at one process and at HSDP 2x1 with the uninterrupted run's
@@ -22,7 +23,8 @@ import torch
 WORKERS = Path(__file__).parent / "workers"
 WORKER = WORKERS / "fsdp_layouts.py"
 
-REFERENCES = ["llama-single", "llama-single-frozen", "dit-single", "dit-single-frozen", "reshard_single"]
+REFERENCES = ["llama-single", "llama-single-frozen", "dit-single", "dit-single-frozen", "reshard_single",
+              "llama-single-ema", "dit-single-ema"]
 CASES = {  # world-2 case -> its single-process reference
     "llama-full": "llama-single",
     "llama-hybrid2x1": "llama-single",
@@ -38,6 +40,8 @@ CASES = {  # world-2 case -> its single-process reference
     "dit-full-recompute_full": "dit-single",
     "dit-full-frozen": "dit-single-frozen",
     "dit-hybrid1x2-offload": "dit-single",
+    "llama-full-ema": "llama-single-ema",
+    "dit-ddp-ema": "dit-single-ema",
 }
 CP_CASES = {  # world-4 case -> its single-process reference
     "dit-ulysses2": "dit-single",
@@ -116,3 +120,26 @@ def test_resume_reshards_from_two_shards_to_one_process_and_to_hybrid(results: P
         resumed = _load(results, name)
         assert resumed["last_step"] == 6
         assert abs(resumed["last_loss"] - uninterrupted["last_loss"]) <= 1e-5, name
+
+
+@pytest.mark.parametrize("case", ["llama-single-ema", "dit-single-ema", "llama-full-ema", "dit-ddp-ema"])
+def test_ema_is_the_moving_average_of_the_weights(results: Path, case: str) -> None:
+    """ema_0 = the initial weights, ema_k = d·ema_(k−1) + (1 − d)·w_k after step k, computed here in float64 from
+    the weights the worker saw after every step; sharded (FSDP over 2 ranks) and DDP averages equal one process's."""
+    sys.path.insert(0, str(WORKERS))
+    from fsdp_layouts import EMA_DECAY
+
+    got = _load(results, case)
+    trajectory = got["trajectory"]
+    assert len(trajectory) == 11 and sorted(got["ema"]) == sorted(got["weights"])
+    for name, final in got["ema"].items():
+        want = trajectory[0][name].double()
+        for weights in trajectory[1:]:
+            want = EMA_DECAY * want + (1 - EMA_DECAY) * weights[name].double()
+        torch.testing.assert_close(final.double(), want, rtol=1e-6, atol=1e-7, msg=lambda m, n=name: f"{n}: {m}")
+        if name.endswith(".weight"):  # the average trails the trained weights: not a copy of them or of the start
+            assert not torch.allclose(final, got["weights"][name]) and not torch.allclose(final, trajectory[0][name])
+    if "single" not in case:
+        ref = _load(results, case.replace("-full-", "-single-").replace("-ddp-", "-single-"))
+        for name, average in ref["ema"].items():
+            _close(got["ema"][name], average, f"moving average of {name}")

@@ -2,7 +2,8 @@
 
 A toy run killed in a step's forward or in the middle of a checkpoint write, or restarted by torchrun after a
 worker failure, rerun with ``train.resume=auto``, ends with the uninterrupted run's weights and Adam moments
-bit for bit (every tensor of the final DCP checkpoint compared with ``torch.equal``). In-process: NaN steps
+bit for bit (every tensor of the final DCP checkpoint compared with ``torch.equal``; with ``train.ema_decay`` the
+moving averages of the weights too). In-process: NaN steps
 follow ``train.on_nonfinite``, SIGTERM saves and stops, an out-of-memory names the fsdp engine's options, the
 profiler and the run's files (JSONL, TensorBoard, loss PNG) are written, a checkpoint of another model is refused
 with the keys that differ.
@@ -76,6 +77,7 @@ def _assert_bitwise(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor])
     ("hybrid", "save:4", (2,)),
     # killed in step 5 while the step-4 async save may still be writing: 4 if it finished, else 2
     ("single-async", "forward:5", (4, 2)),
+    ("dp2-ema", "forward:3", (2,)),
 ])  # fmt: skip
 def test_sigkill_then_resume_is_bitwise_identical(root: Path, reference, layout: str, fault: str,  # noqa: ANN001
                                                   resumed_from: tuple[int, ...]) -> None:
@@ -90,7 +92,14 @@ def test_sigkill_then_resume_is_bitwise_identical(root: Path, reference, layout:
     rc, log = _launch("none", out, name, layout)
     assert rc == 0, log[-3000:]
     assert any(f"resumed from {ckpts / f'step_{s:08d}'} at step {s}" in log for s in resumed_from), log[-3000:]
-    _assert_bitwise(checkpoint_tensors(ckpts / f"step_{STEPS:08d}"), reference(layout))
+    final = checkpoint_tensors(ckpts / f"step_{STEPS:08d}")
+    _assert_bitwise(final, reference(layout))
+    averages = sorted(k.removeprefix("ema.") for k in final if k.startswith("ema."))
+    if layout.endswith("-ema"):  # an average of every weight, and not the weights themselves
+        assert averages == sorted(k.removeprefix("model.") for k in final if k.startswith("model."))
+        assert not torch.equal(final["ema.norm.weight"], final["model.norm.weight"])
+    else:
+        assert averages == []
 
 
 def test_elastic_restart_after_worker_failure(root: Path, reference) -> None:  # noqa: ANN001

@@ -4,12 +4,12 @@ trains the same steps as one process (the task's sharded loss, end to end throug
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from wan_testing import worker_env
 
 from loong.diffusion.cli import main
 
@@ -27,8 +27,7 @@ def test_ulysses_2_trains_as_one_process(tmp_path: Path) -> None:
     assert main(["train", *COMMON, f"output_dir={tmp_path}", "run_name=one"]) == 0
     # a fresh process: an in-process run leaves this one's distributed environment behind (its port, the
     # single-process flag), which the relaunched workers would inherit
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT", "MASTER_ADDR", "LOONG_SINGLE_PROCESS")}
+    env = worker_env()
     proc = subprocess.run([sys.executable, "-m", "loong.diffusion.cli", "train", "--nproc-per-node", "2", *COMMON,
                            "parallel.cp_ulysses=2", f"output_dir={tmp_path}", "run_name=cp2"],
                           capture_output=True, text=True, timeout=240, env=env, cwd=tmp_path)

@@ -7,7 +7,7 @@ import torch
 from loong.diffusion.data.synthetic import MovingShapes
 
 
-def _set(**changes: int) -> MovingShapes:
+def _set(**changes: object) -> MovingShapes:
     sizes = {"num_clips": 16, "num_classes": 4, "channels": 3, "frames": 4, "height": 16, "width": 16,
              "text_len": 5, "text_dim": 8, "seed": 0, **changes}
     return MovingShapes(**sizes)
@@ -35,3 +35,14 @@ def test_the_blob_moves_with_its_class_velocity() -> None:
         assert len(set(peaks)) > 1, "the blob stands still"
     one, other = (s.clip(c)["latents"].abs().sum(0) for c in (1, 5))
     assert not torch.equal(one, other)  # different starting points
+
+
+def test_sizes_give_each_clip_one_of_several_latent_sizes() -> None:
+    sizes = [(4, 16, 16), (2, 8, 8), (4, 8, 16)]
+    mixed, one = _set(sizes=sizes), _set()
+    assert {tuple(mixed.clip(i)["latents"].shape[1:]) for i in range(16)} == set(sizes)  # every size drawn
+    assert all(tuple(mixed.clip(i)["latents"].shape[1:]) == mixed.size_of(i) for i in range(16))
+    assert mixed.size_of(3) == mixed.size_of(3 + 16)  # a pure function of the clip
+    assert torch.equal(mixed.clip(5)["text"], one.clip(5)["text"])  # the caption does not depend on the size
+    # one size given as a list is the default set itself
+    assert torch.equal(_set(sizes=[(4, 16, 16)]).clip(5)["latents"], one.clip(5)["latents"])

@@ -3,19 +3,15 @@ shared sample stream and ``model.init_from_diffusers``."""
 
 from __future__ import annotations
 
-import types
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from wan_testing import make_task
 
-from loong.core.accelerators import select_accelerator
-from loong.core.attention import CPGroups
-from loong.core.config import from_dict
 from loong.core.errors import LoongError
 from loong.diffusion.models.wan import save_diffusers
-from loong.diffusion.schema import DiffusionRunConfig
 from loong.diffusion.task import WanTask
 
 SMALL = {"data": {"frames": 2, "height": 8, "width": 8, "num_clips": 8},
@@ -23,13 +19,7 @@ SMALL = {"data": {"frames": 2, "height": 8, "width": 8, "num_clips": 8},
 
 
 def _task(dp: int = 1, dp_rank: int = 0, **sections: Any) -> WanTask:
-    plain = {key: {**SMALL.get(key, {}), **sections.get(key, {})} for key in {*SMALL, *sections}}
-    cfg = from_dict(DiffusionRunConfig, plain)
-    WanTask.check_config(cfg)
-    layout = types.SimpleNamespace(dp=dp, dp_rank=dp_rank, cp_groups=CPGroups())
-    task = WanTask(cfg, select_accelerator(), layout)
-    task.setup_data()
-    return task
+    return make_task(SMALL, dp, dp_rank, **sections)
 
 
 def test_loss_is_the_mse_of_the_models_prediction() -> None:
@@ -90,8 +80,8 @@ def test_config_checks_name_the_key() -> None:
         _task(model={"init_from_diffusers": "/nonexistent/wan"})
     with pytest.raises(LoongError, match="data.height=7"):
         _task(data={"height": 7})
-    with pytest.raises(LoongError, match="model.preset=tiny_i2v"):
-        _task(model={"preset": "tiny_i2v"})
+    with pytest.raises(LoongError, match="model.in_channels=20"):
+        _task(model={"in_channels": 20})
     with pytest.raises(LoongError, match="unknown Wan preset 'tinny'"):
         _task(model={"preset": "tinny"})
     with pytest.raises(LoongError, match="train.timestep_shift"):

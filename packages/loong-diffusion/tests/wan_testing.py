@@ -62,3 +62,31 @@ def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
     """The largest absolute difference relative to the largest absolute reference value."""
     got, want = got.detach().double(), want.detach().double()
     return float((got - want).abs().max() / want.abs().max().clamp_min(1e-30))
+
+
+def make_task(base: dict, dp: int = 1, dp_rank: int = 0, **sections: dict):  # noqa: ANN201
+    """A checked, data-ready ``diffusion.wan`` task on one process posing as DP rank ``dp_rank`` of ``dp``: the
+    config sections of ``base`` updated key by key with ``sections`` (``model={...}``, ``data={...}``, ...)."""
+    import types
+
+    from loong.core.accelerators import select_accelerator
+    from loong.core.attention import CPGroups
+    from loong.core.config import from_dict
+    from loong.diffusion.schema import DiffusionRunConfig
+    from loong.diffusion.task import WanTask
+
+    plain = {key: {**base.get(key, {}), **sections.get(key, {})} for key in {*base, *sections}}
+    cfg = from_dict(DiffusionRunConfig, plain)
+    WanTask.check_config(cfg)
+    task = WanTask(cfg, select_accelerator(), types.SimpleNamespace(dp=dp, dp_rank=dp_rank, cp_groups=CPGroups()))
+    task.setup_data()
+    return task
+
+
+def worker_env() -> dict[str, str]:
+    """This environment without the distributed variables a test process may carry (an in-process run's port,
+    the single-process flag), which relaunched workers must not inherit."""
+    import os
+
+    drop = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT", "MASTER_ADDR", "LOONG_SINGLE_PROCESS")
+    return {k: v for k, v in os.environ.items() if k not in drop}

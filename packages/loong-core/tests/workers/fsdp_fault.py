@@ -14,7 +14,7 @@
 - ``oom:N``      step N's second micro-batch raises torch's ``OutOfMemoryError`` (rank 0).
 
 LAYOUT: ``single`` / ``dp2`` (FSDP over two ranks) / ``hybrid`` (HSDP 2x1), with ``-async`` for
-``train.async_save=true``. 6 steps of 4 micro-batches, a checkpoint every 2 steps, ``train.resume=auto``.
+``train.async_save=true`` or ``-ema`` for ``train.ema_decay=0.9`` (moving averages of the weights). 6 steps of 4 micro-batches, a checkpoint every 2 steps, ``train.resume=auto``.
 """
 
 from __future__ import annotations
@@ -94,7 +94,7 @@ def faulty_run(fault: str, out: str, name: str, layout: str, **train: object):  
     base, _, mode = layout.partition("-")
     cfg = toy_config(task="test.faulty_toy", parallel=LAYOUTS[base], output_dir=out, run_name=name,
                      train={"steps": STEPS, "save_interval": 2, "async_save": mode == "async", "resume": "auto",
-                            **train})
+                            "ema_decay": 0.9 if mode == "ema" else 0.0, **train})
     try:
         return run(cfg, echo=lambda m: print(m, flush=True))
     finally:

@@ -3,8 +3,9 @@ one process (a world of one: the references).
 
 ``python fsdp_layouts.py OUT NAME...``: for each named case (see ``CASES``) train ``STEPS`` steps and write, from
 rank 0, ``OUT/<NAME>.pt`` with every step's loss and grad norm, the (clipped) gradients of steps 1 and ``STEPS``
-and the final weights, all as whole tensors. ``reshard`` cases go through the real walk (``loong.core.run.run``)
-and write their logged losses instead.
+and the final weights, all as whole tensors (``-ema`` cases: also the weights before and after every step and the
+final moving averages). ``reshard`` cases go through the real walk (``loong.core.run.run``) and write their logged
+losses instead.
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ from loong.core.engines.fsdp.wrap import clean_name  # noqa: E402
 from loong.core.registry import TASKS  # noqa: E402
 
 STEPS = 10
+#: ``train.ema_decay`` of the ``-ema`` cases: low, so that 10 steps move the average well away from where it started
+EMA_DECAY = 0.6
 LAYOUTS = {
     "full": {"fsdp": "full"},
     "hybrid2x1": {"fsdp": "hybrid", "dp_replicate": 2, "dp_shard": 1},
@@ -43,18 +46,21 @@ LAYOUTS = {
 
 def case_config(name: str, out: Path):  # noqa: ANN201
     """``<task>-<layout>[-<variant>]``: e.g. ``llama-full-recompute_full``, ``dit-ddp``, ``llama-single-frozen``,
-    ``dit-hybrid2x1-offload`` (``parallel.fsdp_cpu_offload``)."""
+    ``dit-hybrid2x1-offload`` (``parallel.fsdp_cpu_offload``), ``llama-full-ema`` (``train.ema_decay``)."""
     task, layout, *variant = name.split("-")
     model: dict = {}
+    train: dict = {}
     parallel = dict(LAYOUTS.get(layout, {}))
     for v in variant:
-        if v == "offload":
+        if v == "ema":
+            train["ema_decay"] = EMA_DECAY
+        elif v == "offload":
             parallel["fsdp_cpu_offload"] = True
         elif v.startswith("recompute_"):
             model["recompute"] = v.removeprefix("recompute_")
         elif v == "frozen":
             model["freeze"] = ["embed", "layers.0.attn"] if task == "llama" else ["patch", "text"]
-    return toy_config(task=f"toy.{task}", model=model, parallel=parallel,
+    return toy_config(task=f"toy.{task}", model=model, parallel=parallel, train=train,
                       output_dir=str(out), run_name=name)
 
 
@@ -72,14 +78,24 @@ def train_case(name: str, out: Path) -> dict:
     task.setup_data()
     engine = FSDPEngine(task, cfg, acc, layout)
     record: dict = {"loss": [], "grad_norm": [], "grads": {}, "optimizer_params": 0}
+
+    def weights() -> dict[str, torch.Tensor]:
+        return {clean_name(n): _whole(p) for n, p in engine.model.named_parameters()}
+
+    trajectory = [weights()] if engine.ema is not None else []
     for step in range(STEPS):
         m = engine.train_step(step)
         record["loss"].append(m.loss)
         record["grad_norm"].append(m.grad_norm)
+        if engine.ema is not None:
+            trajectory.append(weights())
         if step in (0, STEPS - 1):
             record["grads"][step] = {clean_name(n): _whole(p.grad) for n, p in engine.model.named_parameters()
                                      if p.grad is not None}
-    record["weights"] = {clean_name(n): _whole(p) for n, p in engine.model.named_parameters()}
+    record["weights"] = weights()
+    if engine.ema is not None:
+        record["trajectory"] = trajectory
+        record["ema"] = {name: _whole(t) for name, t in engine.ema.state_dict().items()}
     record["optimizer_params"] = sum(len(g["params"]) for g in engine.optimizer.param_groups)
     record["optimizer_state"] = len(engine.optimizer.state)
     FSDPEngine.shutdown(layout)  # leaves a group the worker made itself

@@ -91,7 +91,7 @@ def run(cfg: Any, echo: Any = print) -> TrainResult:
             engine_cls.seed(cfg.train.seed, accelerator, layout)
             task = task_cls(cfg, accelerator, layout)
             task.setup_data()
-            run_dir = _run_dir(cfg)
+            run_dir = task.run_dir = _run_dir(cfg)
             checkpoint = _find_resume(cfg, run_dir, echo if layout.is_logging_rank else (lambda _m: None))
             if checkpoint is not None and 0 < read_state(checkpoint)["step"] >= cfg.train.steps:
                 raise LoongError(

@@ -35,6 +35,9 @@ class Task(ABC):
         self.cfg = cfg
         self.accelerator = accelerator
         self.layout = layout
+        #: the run directory (``<output_dir>/<run_name>``), set by the walk before training starts: where a task
+        #: writes files of its own beside the run's metrics and loss plot (e.g. loong-diffusion's previews)
+        self.run_dir: Path | None = None
 
     @classmethod
     def check_config(cls, cfg: Any) -> None:

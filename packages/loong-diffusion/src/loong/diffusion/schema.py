@@ -24,6 +24,8 @@ class WanModelConfig:
     """The Wan transformer of a run: ``preset`` (a :data:`~loong.diffusion.models.wan.config.PRESETS` name), then
     any :class:`WanConfig` field overriding it (``None``: the preset's value).
 
+    ``expert`` (Wan 2.2 A14B, ``experts=2``): ``high_noise`` or ``low_noise`` trains that expert alone on its
+    timestep range; ``both`` trains the pair, each step one expert (:mod:`loong.diffusion.experts`).
     ``recompute``: the fsdp engine's activation recomputation (``selective``: each block's MLP). ``init_from_diffusers``:
     a diffusers ``WanTransformer3DModel`` folder whose weights start a fresh run (its config must equal this one).
     """
@@ -50,6 +52,7 @@ class WanModelConfig:
     expand_timesteps: bool | None = None
     recompute: Literal["none", "full", "selective"] = "none"
     init_from_diffusers: str | None = None
+    expert: Literal["both", "high_noise", "low_noise"] = "both"
 
     def wan(self) -> WanConfig:
         """The preset with this config's overrides applied (validated by :class:`WanConfig`)."""
@@ -59,7 +62,10 @@ class WanModelConfig:
     def validate(self, path: str) -> None:
         if self.preset not in PRESETS:
             wan_preset(self.preset)  # raises with the known names and the closest one
-        self.wan()
+        wan = self.wan()
+        if self.expert != "both" and wan.experts == 1:
+            raise LoongError(f"{path}.expert={self.expert}: model.preset={self.preset} has one expert; "
+                             "high_noise/low_noise pick one of the two experts of a Wan 2.2 A14B preset")
         if self.init_from_diffusers is not None and not Path(self.init_from_diffusers).is_dir():
             raise LoongError(f"{path}.init_from_diffusers: {self.init_from_diffusers} is not a folder "
                              "(expected a diffusers WanTransformer3DModel folder with config.json)")
@@ -72,7 +78,23 @@ class SyntheticVideoConfig:
     ``num_clips`` clips, each a blob of one of ``num_classes`` motions and channel patterns; the class also seeds
     the clip's ``text_len`` text-feature vectors. ``text_drop_prob``: classifier-free-guidance dropout (the text
     features of a sample replaced by zeros with this probability).
+
+    ``source``: ``synthetic`` (the above) or ``shards``: the clips of ``path``, a ``loong-diffusion preprocess``
+    output folder (``frames``/``height``/``width``/``num_*`` then unused; each global batch is one bucket; text
+    zero-padded to ``text_len``, Wan: 512).
+
+    Image-to-video models (:mod:`loong.diffusion.conditioning`): ``image_len`` CLIP tokens per conditioning image
+    (Wan 2.1 I2V; synthetic features per class); ``image_cond_prob`` the share of Wan 2.2 TI2V samples conditioned on
+    their first frame (the rest train text-to-video).
+
+    ``sizes``: several latent sizes ``[frames, height, width]`` (resolution/duration buckets) replacing the one
+    ``frames × height × width``; each synthetic clip draws one (null: the one size). ``pack_tokens``: packing, the
+    most video tokens of one training micro-batch (several clips of any sizes in one sequence, balanced over the
+    data-parallel ranks); 0: no packing, each micro-batch stacks ``train.micro_batch_size`` clips of one size.
     """
+
+    source: Literal["synthetic", "shards"] = "synthetic"
+    path: str | None = None
 
     num_clips: int = 64
     num_classes: int = 8
@@ -82,13 +104,46 @@ class SyntheticVideoConfig:
     text_len: int = 8
     text_drop_prob: float = 0.1
     seed: int = 0
+    sizes: list[list[int]] | None = None
+    pack_tokens: int = 0
+    image_len: int = 257
+    image_cond_prob: float = 0.5
+
+    def latent_sizes(self) -> list[tuple[int, int, int]]:
+        """The synthetic clips' latent ``(frames, height, width)`` sizes: ``sizes``, or the one size."""
+        return [tuple(s) for s in self.sizes] if self.sizes else [(self.frames, self.height, self.width)]  # type: ignore[misc]
 
     def validate(self, path: str) -> None:
         for name in ("num_clips", "num_classes", "frames", "height", "width", "text_len"):
             if getattr(self, name) < 1:
                 raise LoongError(f"{path}.{name}: must be >= 1, got {getattr(self, name)}")
+        for i, size in enumerate(self.sizes or []):
+            if len(size) != 3 or min(size) < 1:
+                raise LoongError(f"{path}.sizes[{i}]: a latent size [frames, height, width] of integers >= 1, "
+                                 f"got {size}")
+        if self.sizes is not None and not self.sizes:
+            raise LoongError(f"{path}.sizes: give at least one [frames, height, width], or null for the one size "
+                             f"{path}.frames x height x width")
+        if self.pack_tokens < 0:
+            raise LoongError(f"{path}.pack_tokens: video tokens per packed micro-batch, >= 1 (0: no packing); "
+                             f"got {self.pack_tokens}")
         if not 0.0 <= self.text_drop_prob <= 1.0:
             raise LoongError(f"{path}.text_drop_prob: a probability in [0, 1], got {self.text_drop_prob}")
+        if not 0.0 <= self.image_cond_prob <= 1.0:
+            raise LoongError(f"{path}.image_cond_prob: a probability in [0, 1], got {self.image_cond_prob}")
+        if self.image_len < 1:
+            raise LoongError(f"{path}.image_len: CLIP tokens per image, >= 1 (ViT-H/14 at 224 px: 257), "
+                             f"got {self.image_len}")
+        if self.source == "shards":
+            if not self.path:
+                raise LoongError(f"{path}.path: required with {path}.source=shards (the output folder of "
+                                 "loong-diffusion preprocess)")
+            from loong.diffusion.data.shards import read_index
+
+            read_index(self.path, f"{path}.path")  # exists, is a finished preprocess folder
+        elif self.path is not None:
+            raise LoongError(f"{path}.path: only read with {path}.source=shards (got {path}.source={self.source}); "
+                             f"set {path}.source=shards to train on {self.path}")
 
 
 @dataclass
@@ -101,9 +156,22 @@ class DiffusionTrainConfig(TrainConfig):
     logit_mean: float = 0.0
     logit_std: float = 1.0
     timestep_shift: float = 1.0
+    # loong-diffusion's name for the core's save_hf: either writes the trained weights (train.export_ema: their
+    # moving averages) to <run>/hf/ as a diffusers WanTransformer3DModel folder; one export, two spellings
+    save_diffusers: bool = False
+    # every preview_interval steps (0: never) a GIF of the synthetic classes denoised in preview_steps UniPC steps
+    # with guidance preview_guidance, the latents shown as colours, at <run>/previews/step_N.gif: what
+    # `loong-diffusion sample RUN --seed <train.seed> --steps <preview_steps> --guidance <preview_guidance>` draws
+    preview_interval: int = 0
+    preview_steps: int = 20
+    preview_guidance: float = 5.0
 
     def validate(self, path: str) -> None:
         super().validate(path)
+        self.save_hf = self.save_diffusers = self.save_hf or self.save_diffusers
+        if self.preview_interval < 0 or self.preview_steps < 1:
+            raise LoongError(f"{path}.preview_interval / {path}.preview_steps: steps between previews (>= 0, 0: none) "
+                             f"and denoising steps (>= 1), got {self.preview_interval} and {self.preview_steps}")
         if self.timestep_shift <= 0:
             raise LoongError(f"{path}.timestep_shift: must be > 0 (1 = no shift), got {self.timestep_shift}")
         if self.logit_std <= 0:

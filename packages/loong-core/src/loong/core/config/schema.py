@@ -126,8 +126,17 @@ class TrainConfig:
     profile_steps: list[int] = field(default_factory=list)
     # fsdp engine: torch.compile each block (graph breaks are printed once, after the first step)
     compile: bool = False
+    # fsdp engine: an exponential moving average of the (fp32, sharded) weights, updated after every optimiser step,
+    # ema = decay·ema + (1 − decay)·weights (0: off); saved in checkpoints. export_ema: train.save_hf writes the EMA
+    ema_decay: float = 0.0
+    export_ema: bool = False
 
     def validate(self, path: str) -> None:
+        if not 0.0 <= self.ema_decay < 1.0:
+            raise LoongError(f"{path}.ema_decay: 0 (off) or a decay in (0, 1) such as 0.999, got {self.ema_decay}")
+        if self.export_ema and self.ema_decay == 0.0:
+            raise LoongError(f"{path}.export_ema=true exports the EMA of the weights, but {path}.ema_decay=0 keeps "
+                             f"none; set {path}.ema_decay (e.g. 0.999) or drop {path}.export_ema")
         if self.lr < 0 or self.min_lr < 0:
             raise LoongError(f"{path}.lr / {path}.min_lr: learning rates must be >= 0, got lr={self.lr}, "
                              f"min_lr={self.min_lr}")

@@ -1,1 +1,2 @@
-"""Training data of loong-diffusion: for now the synthetic "moving shapes" set (:mod:`.synthetic`)."""
+"""Training data of loong-diffusion: the synthetic "moving shapes" set (:mod:`.synthetic`) and the shards of
+``loong-diffusion preprocess`` (:mod:`.shards`)."""

@@ -4,7 +4,8 @@ The state is torch's own ``get_state_dict(model, optimizer)``: keys are the bare
 (wrappers stripped), each value a DTensor (FSDP2) or a whole tensor (DDP); the optimiser's state is keyed by
 the same names. DCP saves each rank's shards once (replicas write nothing twice) and loads them into whatever
 layout the resuming run has: a dp_shard=2 checkpoint resumes at dp_shard=1, under HSDP or under DDP. Frozen
-parameters are in the model state only; the optimiser holds none for them.
+parameters are in the model state only; the optimiser holds none for them. With ``train.ema_decay`` the moving
+averages of the trainable weights are saved too, as ``ema.<name>`` (:mod:`.ema`).
 """
 
 from __future__ import annotations
@@ -18,16 +19,30 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_state_dict,
+)
 
 from loong.core.engines.base import PendingSave
+from loong.core.engines.fsdp.ema import WeightEMA
 from loong.core.errors import LoongError
 
+#: the top-level key of the weights' moving averages in a checkpoint
+EMA_KEY = "ema"
 
-def training_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-    """``{"model": ..., "optimizer": ...}`` as DCP saves and loads it."""
+
+def training_state(model: nn.Module, optimizer: torch.optim.Optimizer,
+                   ema: WeightEMA | None = None) -> dict[str, Any]:
+    """``{"model": ..., "optimizer": ...}`` (and ``"ema"``) as DCP saves and loads it."""
     model_sd, optim_sd = get_state_dict(model, optimizer)
-    return {"model": model_sd, "optimizer": optim_sd}
+    state = {"model": model_sd, "optimizer": optim_sd}
+    if ema is not None:
+        state[EMA_KEY] = ema.state_dict()
+    return state
 
 
 def saved_tensors(directory: Path) -> dict[str, tuple[int, ...]]:
@@ -57,24 +72,50 @@ def check_same_model(directory: Path, model_sd: dict[str, Any], allow_missing: b
     return set(missing)
 
 
-def save(model: nn.Module, optimizer: torch.optim.Optimizer, directory: Path) -> None:
-    """Collective: write the model and optimiser shards under ``directory``."""
-    dcp.save(training_state(model, optimizer), checkpoint_id=str(directory))
+def save(model: nn.Module, optimizer: torch.optim.Optimizer, directory: Path, ema: WeightEMA | None = None) -> None:
+    """Collective: write the model and optimiser shards (and the EMA's) under ``directory``."""
+    dcp.save(training_state(model, optimizer, ema), checkpoint_id=str(directory))
+
+
+def _holds_ema(directory: Path, ema: WeightEMA) -> bool:
+    """Whether ``directory`` holds this EMA's averages (False: none at all); a partial or other set is refused."""
+    prefix = f"{EMA_KEY}."
+    saved = {k[len(prefix):] for k in saved_tensors(directory) if k.startswith(prefix)}
+    if not saved:
+        return False
+    ours = set(ema.names)
+    if saved != ours:
+        missing, extra = sorted(ours - saved), sorted(saved - ours)
+        raise LoongError(f"{directory} holds the moving averages (train.ema_decay) of other parameters: "
+                         f"missing {missing[:5]}, not trained here {extra[:5]}")
+    return True
 
 
 def load(model: nn.Module, optimizer: torch.optim.Optimizer, directory: Path, load_optimizer: bool,
-         allow_missing: bool) -> None:
-    """Collective: read ``directory`` into the model (and optimiser) at this run's layout."""
-    state = training_state(model, optimizer)
+         allow_missing: bool, ema: WeightEMA | None = None) -> bool:
+    """Collective: read ``directory`` into the model (and optimiser, and EMA) at this run's layout. Returns whether
+    the EMA's averages came from the checkpoint (False: it holds none, e.g. a weights-only ``convert`` checkpoint
+    or a run without ``train.ema_decay``; the caller restarts the averages at the loaded weights)."""
+    with_ema = ema is not None and _holds_ema(directory, ema)
+    if load_optimizer:
+        state = training_state(model, optimizer, ema if with_ema else None)
+    else:
+        # weights only (a ``convert`` checkpoint): the model's state alone. get_state_dict(model, optimizer) would
+        # give a fresh optimiser state by stepping it once with zero gradients, and Adam would then count that step
+        state = {"model": get_model_state_dict(model)}
+        if with_ema:
+            state[EMA_KEY] = ema.state_dict()
     absent = check_same_model(directory, state["model"], allow_missing)
     for key in absent:
         del state["model"][key]
-    if not load_optimizer:
-        del state["optimizer"]
-    dcp.load(state, checkpoint_id=str(directory))
-    set_state_dict(model, optimizer, model_state_dict=state["model"],
-                   optim_state_dict=state.get("optimizer", {}),
-                   options=StateDictOptions(strict=not absent))
+    dcp.load(state, checkpoint_id=str(directory))  # the EMA's tensors are loaded in place
+    options = StateDictOptions(strict=not absent)
+    if load_optimizer:
+        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"],
+                       options=options)
+    else:
+        set_model_state_dict(model, state["model"], options=options)
+    return with_ema
 
 
 class DCPPendingSave(PendingSave):
@@ -97,8 +138,8 @@ class DCPPendingSave(PendingSave):
 
 
 def save_async(model: nn.Module, optimizer: torch.optim.Optimizer, directory: Path, finalize: Callable[[], None],
-               cpu_group: Any, device: torch.device) -> DCPPendingSave:
+               cpu_group: Any, device: torch.device, ema: WeightEMA | None = None) -> DCPPendingSave:
     """Stage the state to host memory now and write it in a background thread (``train.async_save``)."""
-    future = dcp.async_save(training_state(model, optimizer), checkpoint_id=str(directory),
+    future = dcp.async_save(training_state(model, optimizer, ema), checkpoint_id=str(directory),
                             process_group=cpu_group)
     return DCPPendingSave(future, finalize, device)

@@ -18,6 +18,7 @@ from loong.core.accelerators.base import Accelerator
 from loong.core.config.schema import RunConfig
 from loong.core.engines.base import Engine, PendingSave, StepMetrics, num_microbatches, resolve_dtype
 from loong.core.engines.fsdp import checkpoint
+from loong.core.engines.fsdp.ema import WeightEMA
 from loong.core.engines.fsdp.mesh import FSDPLayout, check_parallel, init_mesh
 from loong.core.engines.fsdp.schedule import lr_at, param_groups
 from loong.core.engines.fsdp.task import FSDPTask
@@ -107,7 +108,7 @@ class FSDPEngine(Engine):
         self.ddp = cfg.parallel.fsdp == "none"
         adaptations = accelerator.fsdp_adaptations()
         self.model = shard(model, blocks, layout, self.dtype, t.grad_reduce_in_bf16,
-                           pin_memory="no_pinned_memory" not in adaptations)
+                           pin_memory="no_pinned_memory" not in adaptations, cast_root_inputs=task.cast_root_inputs)
         self.bare = model  # the unwrapped module (the same object as self.model under FSDP2)
         self.model_chunks = [self.model]
         self.params = [p for p in self.model.parameters() if p.requires_grad]
@@ -119,6 +120,9 @@ class FSDPEngine(Engine):
         self.optimizer = torch.optim.AdamW(
             param_groups(self.model, t.weight_decay), lr=lr_at(0, t), betas=(t.adam_beta1, t.adam_beta2),
             eps=t.adam_eps, fused=impl == "fused", foreach=impl == "foreach")
+        # the moving averages start at the weights the run starts from; a resume loads or restarts them (load)
+        self.ema = WeightEMA(((clean_name(n), p) for n, p in self.model.named_parameters() if p.requires_grad),
+                             t.ema_decay) if t.ema_decay else None
         self.num_steps = 0
         self._cpu_group = dist.new_group(backend="gloo") if t.async_save else None
         self._compile_reported = not t.compile
@@ -229,6 +233,8 @@ class FSDPEngine(Engine):
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         self.optimizer.step()
+        if self.ema is not None:
+            self.ema.update()
         self.num_steps += 1
         return StepMetrics(loss=loss, grad_norm=norm, lr=lr, extra=extra)
 
@@ -245,16 +251,22 @@ class FSDPEngine(Engine):
 
     # --- state -------------------------------------------------------------------------------
     def save(self, directory: Path) -> None:
-        checkpoint.save(self.model, self.optimizer, directory)
+        checkpoint.save(self.model, self.optimizer, directory, self.ema)
 
     def save_async(self, directory: Path, finalize: Callable[[], None]) -> PendingSave:
-        return checkpoint.save_async(self.model, self.optimizer, directory, finalize, self._cpu_group, self.device)
+        return checkpoint.save_async(self.model, self.optimizer, directory, finalize, self._cpu_group, self.device,
+                                     self.ema)
 
     def check_resume_layout(self, saved: dict) -> None:
         """Nothing to refuse: DCP reshards model and optimiser state across every fsdp layout."""
 
     def load(self, directory: Path, load_optimizer: bool = True, allow_missing: bool = False) -> None:
-        checkpoint.load(self.model, self.optimizer, directory, load_optimizer, allow_missing)
+        loaded_ema = checkpoint.load(self.model, self.optimizer, directory, load_optimizer, allow_missing, self.ema)
+        if self.ema is not None and not loaded_ema:
+            self.ema.reset()
+            if load_optimizer:  # a weights-only checkpoint never has one: nothing to say there
+                self.echo(f"train.ema_decay: {directory.name} holds no moving averages of the weights; they start "
+                          "at its weights")
 
     def scheduler_state(self) -> dict:
         return {"num_steps": self.num_steps}
@@ -283,4 +295,8 @@ class FSDPEngine(Engine):
         return hints
 
     def export_model(self) -> nn.Module:
+        """The trained model; with ``train.export_ema`` its weights are first replaced by their moving averages
+        (the export is the run's last act, after the final checkpoint, which keeps both)."""
+        if self.cfg.train.export_ema and self.ema is not None:
+            self.ema.copy_to_params()
         return self.model

@@ -26,6 +26,9 @@ class FSDPTask(Task):
     """
 
     engine = "fsdp"
+    #: FSDP2 casts the root module's floating-point forward inputs to the compute dtype (bf16). A task whose model
+    #: needs some input in fp32 (a diffusion timestep: bf16 holds 999.3 as 1000) sets False and casts the others.
+    cast_root_inputs: bool = True
 
     @abstractmethod
     def build_model(self) -> nn.Module:

@@ -82,17 +82,20 @@ def graph_breaks() -> dict[str, int]:
     return dict(counters["graph_break"])
 
 
-def mixed_precision(dtype: torch.dtype, reduce_in_bf16: bool) -> MixedPrecisionPolicy:
-    """bf16 compute from fp32 master weights; gradients reduced in fp32 unless ``train.grad_reduce_in_bf16``."""
+def mixed_precision(dtype: torch.dtype, reduce_in_bf16: bool, cast_inputs: bool = True) -> MixedPrecisionPolicy:
+    """bf16 compute from fp32 master weights; gradients reduced in fp32 unless ``train.grad_reduce_in_bf16``;
+    ``cast_inputs``: FSDP2 casts the module's floating-point forward inputs to bf16."""
     if dtype == torch.float32:
         return MixedPrecisionPolicy()
-    return MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=dtype if reduce_in_bf16 else torch.float32)
+    return MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=dtype if reduce_in_bf16 else torch.float32,
+                                cast_forward_inputs=cast_inputs)
 
 
 def shard(model: nn.Module, blocks: list[nn.Module], layout: FSDPLayout, dtype: torch.dtype,
-          reduce_in_bf16: bool, pin_memory: bool = True) -> nn.Module:
+          reduce_in_bf16: bool, pin_memory: bool = True, cast_root_inputs: bool = True) -> nn.Module:
     """FSDP2 (``parallel.fsdp=full|hybrid``) per block and on the root, or DDP (``none``); returns the model
-    to train (the same module for FSDP2, a ``DistributedDataParallel`` wrapper for DDP)."""
+    to train (the same module for FSDP2, a ``DistributedDataParallel`` wrapper for DDP). ``cast_root_inputs``
+    (:attr:`FSDPTask.cast_root_inputs`): whether FSDP2 casts the root's float inputs to the compute dtype."""
     p = layout.config
     if p.fsdp == "none":
         device = next(model.parameters()).device
@@ -114,5 +117,5 @@ def shard(model: nn.Module, blocks: list[nn.Module], layout: FSDPLayout, dtype: 
     single = layout.shard_mesh.size(layout.shard_mesh.ndim - 1) == 1
     for i, block in enumerate(blocks):
         fully_shard(block, reshard_after_forward=not single and i < len(blocks) - 1, **kwargs)
-    fully_shard(model, **kwargs)
+    fully_shard(model, **{**kwargs, "mp_policy": mixed_precision(dtype, reduce_in_bf16, cast_root_inputs)})
     return model

@@ -77,6 +77,11 @@ class MegatronEngine(Engine):
                 raise LoongError(f"{key}={value}: an fsdp engine option; the megatron engine's data parallelism is "
                                  "megatron DDP (train.distributed_optimizer=true shards the optimiser) and its context "
                                  "parallelism parallel.cp; drop the key or use engine=fsdp")
+        for key, value, default in (("train.ema_decay", cfg.train.ema_decay, 0.0),
+                                    ("train.export_ema", cfg.train.export_ema, False)):
+            if value != default:
+                raise LoongError(f"{key}={value}: the EMA of the weights is an fsdp engine option (the megatron "
+                                 "engine keeps none); drop the key or use engine=fsdp")
 
     @classmethod
     def init_layout(cls, accelerator: Accelerator, cfg: RunConfig) -> MegatronLayout:

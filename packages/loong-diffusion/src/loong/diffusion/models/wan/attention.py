@@ -1,6 +1,8 @@
 """The two attentions of a Wan block, both through ``loong.core.attention.cp_attention``: self-attention over the
 (context-parallel sharded) video tokens with 3-D RoPE, and cross-attention to the text tokens (plus, for Wan 2.1
-I2V, to the CLIP image tokens through their own K/V projections), which every CP rank holds whole.
+I2V, to the CLIP image tokens through their own K/V projections), which every CP rank holds whole. A packed
+sequence (several clips in one) passes document ids: both attentions are then varlen, each clip attending within
+itself and to its own text and image tokens.
 
 q and k are RMS-normalised over all heads together before the heads are split, as Wan does; under Ulysses that
 happens before the all-to-all, while each rank still holds every head of its tokens, so it needs no communication.
@@ -41,12 +43,15 @@ class SelfAttention(nn.Module):
         self.k_norm = RMSNorm(dim, eps, norm_backend)
         self.out = nn.Linear(dim, dim)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """``x [b, s_local, dim]``, this CP rank's tokens; ``cos``/``sin`` their rotary angles."""
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                doc_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """``x [b, s_local, dim]``, this CP rank's tokens; ``cos``/``sin`` their rotary angles; ``doc_ids [b,
+        s_local]`` their clips in a packed sequence (varlen attention within each clip; -1 = padding)."""
         q, k, v = self.qkv(x).chunk(3, dim=-1)
         q = apply_rope(split_heads(self.q_norm(q), self.heads), cos, sin)
         k = apply_rope(split_heads(self.k_norm(k), self.heads), cos, sin)
-        out = cp_attention(q, k, split_heads(v, self.heads), self.groups, capabilities=self.capabilities)
+        out = cp_attention(q, k, split_heads(v, self.heads), self.groups, doc_ids=doc_ids,
+                           capabilities=self.capabilities)
         return self.out(merge_heads(out))
 
 
@@ -66,18 +71,24 @@ class CrossAttention(nn.Module):
         self.image_k_norm = RMSNorm(dim, eps, norm_backend) if image else None
         self.out = nn.Linear(dim, dim)
 
-    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc_ids: torch.Tensor | None = None,
+                kv_doc_ids: torch.Tensor | None = None) -> torch.Tensor:
         return cp_attention(q, split_heads(k, self.heads), split_heads(v, self.heads), self.groups,
-                            kv_replicated=True, capabilities=self.capabilities)
+                            doc_ids=doc_ids, kv_doc_ids=kv_doc_ids, kv_replicated=True,
+                            capabilities=self.capabilities)
 
-    def forward(self, x: torch.Tensor, text: torch.Tensor, image: torch.Tensor | None = None) -> torch.Tensor:
-        """``x [b, s_local, dim]``; ``text [b, s_text, dim]`` and ``image [b, s_image, dim]`` whole on every rank."""
+    def forward(self, x: torch.Tensor, text: torch.Tensor, image: torch.Tensor | None = None,
+                doc_ids: torch.Tensor | None = None, text_doc_ids: torch.Tensor | None = None,
+                image_doc_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """``x [b, s_local, dim]``; ``text [b, s_text, dim]`` and ``image [b, s_image, dim]`` whole on every rank.
+        A packed sequence gives the clip of each query (``doc_ids [b, s_local]``), text token (``text_doc_ids
+        [b, s_text]``) and image token (``image_doc_ids``): each clip attends to its own condition only."""
         q = split_heads(self.q_norm(self.q(x)), self.heads)
         k, v = self.kv(text).chunk(2, dim=-1)
-        out = self._attend(q, self.k_norm(k), v)
+        out = self._attend(q, self.k_norm(k), v, doc_ids, text_doc_ids)
         if self.image_kv is not None and self.image_k_norm is not None and image is not None:
             k_img, v_img = self.image_kv(image).chunk(2, dim=-1)
-            out = out + self._attend(q, self.image_k_norm(k_img), v_img)
+            out = out + self._attend(q, self.image_k_norm(k_img), v_img, doc_ids, image_doc_ids)
         return self.out(merge_heads(out))
 
 

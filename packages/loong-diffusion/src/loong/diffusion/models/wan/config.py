@@ -144,6 +144,9 @@ PRESETS: dict[str, WanConfig] = {
                           in_channels=36, image_dim=24, added_kv_proj_dim=64),
     "tiny_ti2v": WanConfig(num_heads=4, head_dim=16, ffn_dim=128, num_layers=2, text_dim=32, freq_dim=32,
                            in_channels=48, out_channels=48, expand_timesteps=True),
+    # the A14B pair in miniature: two experts switched at Wan 2.2 T2V's boundary
+    "tiny_a14b": WanConfig(num_heads=4, head_dim=16, ffn_dim=128, num_layers=2, text_dim=32, freq_dim=32, experts=2,
+                           boundary_ratio=0.875),
     "wan2_1_t2v_1_3b": WanConfig(num_heads=12, head_dim=128, ffn_dim=8960, num_layers=30),
     "wan2_1_t2v_14b": WanConfig(**_WAN21_14B),
     # 16 noise + 4 mask + 16 first-frame latent channels; CLIP ViT-H/14 image features through added K/V

@@ -11,6 +11,11 @@ rank embeds only its contiguous shard of the tokens, rotates them by their globa
 every rank holds whole) and predicts its shard's tokens (:meth:`WanTransformer.forward_shard`, for a sharded loss
 against :meth:`WanTransformer.patchify` of the target); :meth:`WanTransformer.forward` gathers them into the whole
 prediction. The token count must divide by the CP size.
+
+Packing: :meth:`WanTransformer.forward_packed` predicts several clips of different sizes held in one sequence
+(:mod:`.packed` builds it): each clip with its own grid's RoPE and its own timestep modulation, attending only
+within itself and to its own text; under context parallelism the pack is sharded like any sequence (padded to a
+multiple of the CP size).
 """
 
 from __future__ import annotations
@@ -23,9 +28,10 @@ from torch import nn
 
 from loong.core.attention import CPGroups, shard_sequence
 from loong.core.errors import LoongError
-from loong.diffusion.models.wan.block import WanBlock, modulated
+from loong.diffusion.models.wan.block import PackedDocs, WanBlock, modulated
 from loong.diffusion.models.wan.config import WanConfig
 from loong.diffusion.models.wan.embeddings import ConditionEmbedder
+from loong.diffusion.models.wan.modulation import indexed_affine
 from loong.diffusion.models.wan.norms import LayerNorm32
 from loong.diffusion.models.wan.parallel import gather_shards
 from loong.diffusion.models.wan.rope import grid_positions, rope_angles
@@ -131,6 +137,58 @@ class WanTransformer(nn.Module):
         rank, and the ranks' parameter gradients sum to the whole gradient (:mod:`.parallel`)."""
         tokens = gather_shards(self.forward_shard(latents, timestep, text, image), self.groups, dim=1)
         return self.unpatchify(tokens, self.grid(latents))
+
+    def _check_packed(self, patches: torch.Tensor, positions: torch.Tensor, doc_ids: torch.Tensor,
+                      timesteps: torch.Tensor, timestep_index: torch.Tensor, text: torch.Tensor,
+                      text_doc_ids: torch.Tensor, image: torch.Tensor | None) -> None:
+        c = self.config
+        length = patches.shape[1] if patches.ndim == 3 else -1
+        width = c.in_channels * c.patch_volume
+        if patches.shape != (1, length, width):
+            raise LoongError(f"a pack's patches must be [1, tokens, {width}] (in_channels x patch volume), got "
+                             f"{tuple(patches.shape)}")
+        if text.ndim != 3 or text.shape[0] != 1 or text.shape[2] != c.text_dim:
+            raise LoongError(f"a pack's text must be [1, text_tokens, {c.text_dim}], got {tuple(text.shape)}")
+        for name, t, shape in (("positions", positions, (length, 3)), ("doc_ids", doc_ids, (1, length)),
+                               ("timestep_index", timestep_index, (length,)),
+                               ("text_doc_ids", text_doc_ids, (1, text.shape[1]))):
+            if tuple(t.shape) != shape:
+                raise LoongError(f"a pack's {name} must be {list(shape)}, got {tuple(t.shape)}")
+        if timesteps.ndim != 1:
+            raise LoongError(f"a pack's timesteps are a table [K], got {tuple(timesteps.shape)}")
+        if (image is None) != (c.image_dim is None):
+            raise LoongError("this Wan model takes CLIP image features (I2V): pack each clip's image" if image is None
+                             else "this Wan model has no image branch (image_dim unset): pack no images")
+        if length % self.groups.size:
+            raise LoongError(f"a pack of {length} tokens does not split into {self.groups.size} context-parallel "
+                             f"shards; pack it with multiple={self.groups.size}")
+
+    def forward_packed(self, patches: torch.Tensor, positions: torch.Tensor, doc_ids: torch.Tensor,
+                       timesteps: torch.Tensor, timestep_index: torch.Tensor, text: torch.Tensor,
+                       text_doc_ids: torch.Tensor, image: torch.Tensor | None = None) -> torch.Tensor:
+        """This CP rank's shard of the predicted tokens of a pack of clips, ``[1, L / cp, pt·ph·pw·out_channels]``
+        (:func:`~loong.diffusion.models.wan.packed.pack_clips` builds the arguments, whole on every rank).
+
+        Each clip is predicted as :meth:`forward_shard` would predict it alone: RoPE over its own grid, its own
+        timestep(s), self-attention within the clip and cross-attention to its own text (and image) tokens only.
+        Padding tokens (``doc_ids`` −1) predict garbage that a loss must leave out (weight 0).
+        """
+        self._check_packed(patches, positions, doc_ids, timesteps, timestep_index, text, text_doc_ids, image)
+        g = self.groups
+        x = F.linear(shard_sequence(patches, g, dim=1), self.patch_embed.weight.flatten(1), self.patch_embed.bias)
+        cos, sin = rope_angles(shard_sequence(positions, g, dim=0), self.config.rope_dims)
+        index = shard_sequence(timestep_index, g, dim=0)
+        # temb [K, dim], modulation [K, 6, dim]: one row per distinct timestep of the pack
+        temb, modulation, text, image = self.condition(timesteps, text, image)
+        image_docs = None
+        if image is not None:  # [clips, s_image, dim] embedded as a batch, then one sequence with its clip ids
+            image_docs = torch.arange(image.shape[0], device=image.device).repeat_interleave(image.shape[1])[None]
+            image = image.reshape(1, -1, image.shape[-1])
+        packed = PackedDocs(shard_sequence(doc_ids, g, dim=1), text_doc_ids, image_docs, index)
+        for block in self.blocks:
+            x = block(x, text, image, modulation, cos, sin, packed)
+        shift, scale = (self.head_modulation[0] + temb.unsqueeze(1)).unbind(1)
+        return self.head(indexed_affine(self.norm_out(x.float()), 1 + scale, shift, index).to(x.dtype))
 
     def num_parameters(self) -> int:
         """Parameters of this module (one expert)."""

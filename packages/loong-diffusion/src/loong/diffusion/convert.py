@@ -1,0 +1,241 @@
+"""``loong-diffusion convert SRC DST``: a diffusers ``WanTransformer3DModel`` folder ⇄ a Loong checkpoint; the
+direction comes from SRC.
+
+- A diffusers folder becomes a weights-only Loong checkpoint ``DST/checkpoints/step_00000000`` (torch DCP, the
+  fsdp engine's format: any layout loads it). ``loong-diffusion train train.resume=DST`` starts a fresh run from
+  its weights, with its model config (the closest preset plus the fields that differ); it is the same start as
+  ``model.init_from_diffusers=SRC``.
+- A Loong checkpoint (a step directory, a run's ``checkpoints`` folder or the run folder: its newest verified
+  step) becomes a diffusers folder ``DST`` that ``WanTransformer3DModel.from_pretrained`` loads (a run of both
+  Wan 2.2 A14B experts: ``DST/transformer`` and ``DST/transformer_2``, as a diffusers pipeline holds them);
+  ``ema=True`` writes the moving averages of the weights (``train.ema_decay``) instead of the weights.
+
+Both directions keep the stored dtype unless told otherwise, so diffusers → Loong → diffusers gives back the
+same tensors and ``config.json``, bit for bit. The mapping is ``models.wan.mapping``'s; nothing is unpickled.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+
+from loong.core.checkpoint import CheckpointManager, read_config, read_state, resolve_checkpoint
+from loong.core.config.schema import from_dict, to_dict
+from loong.core.engines.fsdp.checkpoint import EMA_KEY, check_same_model
+from loong.core.errors import LoongError
+from loong.diffusion.experts import EXPERTS
+from loong.diffusion.models.wan import WanConfig, WanTransformer, config_from_diffusers, save_diffusers
+from loong.diffusion.models.wan.config import PRESETS
+from loong.diffusion.models.wan.mapping import CONFIG_NAME, KEEP_FP32, from_diffusers, read_diffusers_folder
+from loong.diffusion.schema import WAN_FIELDS, DiffusionRunConfig, WanModelConfig
+
+#: the Wan model's place in the trained module (``task.ShardPrediction.wan``): the prefix of its checkpoint keys
+MODEL_PREFIX = "wan."
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
+#: where a diffusers Wan 2.2 A14B pipeline keeps each expert
+PIPELINE_FOLDERS = {"high_noise": "transformer", "low_noise": "transformer_2"}
+#: pipeline-level Wan settings a diffusers pipeline folder keeps in ``model_index.json`` beside ``transformer/``
+_PIPELINE_INDEX = "model_index.json"
+
+
+def model_config_for(wan: WanConfig) -> WanModelConfig:
+    """The run's ``model`` section for ``wan``: the preset with the fewest differing fields, those as overrides."""
+    def differing(preset: WanConfig) -> list[str]:
+        return [name for name in WAN_FIELDS if getattr(preset, name) != getattr(wan, name)]
+
+    name = min(PRESETS, key=lambda p: len(differing(PRESETS[p])))
+    overrides = {k: (list(v) if isinstance(v, tuple) else v) for k in differing(PRESETS[name])
+                 for v in [getattr(wan, k)]}
+    model = WanModelConfig(preset=name, **overrides)
+    assert model.wan() == wan  # the preset plus its overrides rebuild the shape exactly
+    return model
+
+
+def is_diffusers_folder(path: Path) -> bool:
+    """Whether ``path`` holds a diffusers model's ``config.json``."""
+    return (path / CONFIG_NAME).is_file()
+
+
+def _pipeline_fields(folder: Path) -> dict[str, Any]:
+    """``expand_timesteps`` (Wan 2.2 TI2V) from the pipeline's ``model_index.json`` when ``folder`` is a pipeline's
+    ``transformer/``: diffusers keeps it there, not in the transformer's config."""
+    index = folder.resolve().parent / _PIPELINE_INDEX
+    if not index.is_file():
+        return {}
+    value = json.loads(index.read_text()).get("expand_timesteps")
+    return {"expand_timesteps": bool(value)} if value is not None else {}
+
+
+class _WeightsOnly:
+    """The slice of an engine the checkpoint manager needs: the model's tensors under the trained module's keys."""
+
+    def __init__(self, state: dict[str, torch.Tensor]) -> None:
+        self.state = state
+
+    def save(self, directory: Path) -> None:
+        dcp.save({"model": self.state}, checkpoint_id=str(directory))
+
+
+def diffusers_to_loong(src: Path, dst: Path, dtype: str = "auto") -> Path:
+    """Write the diffusers transformer folder ``src`` as a weights-only Loong checkpoint under ``dst/checkpoints``;
+    returns the step directory."""
+    raw, weights = read_diffusers_folder(src)
+    wan = config_from_diffusers(raw, **_pipeline_fields(src))
+    state = from_diffusers(weights)
+    with torch.device("meta"):
+        expected = WanTransformer(wan).state_dict()
+    if sorted(state) != sorted(expected):  # e.g. an I2V folder whose config lacks image_dim
+        missing, extra = sorted(set(expected) - set(state)), sorted(set(state) - set(expected))
+        raise LoongError(f"{src}: the weights do not match its {CONFIG_NAME} (missing {missing[:3]}, "
+                         f"unexpected {extra[:3]})")
+    target = DTYPES.get(dtype)
+    model = {MODEL_PREFIX + k: (v.to(target) if target is not None and v.is_floating_point() else v).contiguous()
+             for k, v in state.items()}
+    run_cfg = DiffusionRunConfig(model=model_config_for(wan), run_name=dst.name, output_dir=str(dst.parent))
+    trainer_state = {"step": 0, "weights_only": True, "source": str(src)}
+    return CheckpointManager(dst / "checkpoints").save(0, _WeightsOnly(model), trainer_state, to_dict(run_cfg))
+
+
+@dataclasses.dataclass
+class Checkpoint:
+    """What :func:`read_checkpoint` reads: the step directory, its resolved run config (as saved, a plain dict),
+    the model's shape and the Wan state dict of each module it trained: ``{"": state}`` for one model,
+    ``{"high_noise": ..., "low_noise": ...}`` for both Wan 2.2 A14B experts (``model.expert=both``)."""
+
+    step_dir: Path
+    config: dict[str, Any]
+    wan: WanConfig
+    states: dict[str, dict[str, torch.Tensor]]
+
+    @property
+    def step(self) -> int:
+        """The optimiser steps the checkpoint was taken after."""
+        return int(read_state(self.step_dir)["step"])
+
+    @property
+    def state(self) -> dict[str, torch.Tensor]:
+        """The one model's state dict (a :class:`LoongError` for a checkpoint of both experts)."""
+        if "" not in self.states:
+            raise LoongError(f"{self.step_dir} holds both Wan 2.2 A14B experts ({', '.join(self.states)})")
+        return self.states[""]
+
+
+def _prefix(expert: str) -> str:
+    """The checkpoint key prefix of one trained module's Wan weights (``task.ShardPrediction`` / ``ExpertPair``)."""
+    return f"{expert}.{MODEL_PREFIX}" if expert else MODEL_PREFIX
+
+
+def split_modules(state: dict[str, torch.Tensor]) -> dict[str, dict[str, torch.Tensor]]:
+    """A trained module's state dict (``wan.*``, or ``high_noise.wan.*`` and ``low_noise.wan.*`` for both A14B
+    experts) as the Wan state dict of each module, keyed as :attr:`Checkpoint.states`."""
+    experts = EXPERTS if any(k.startswith(_prefix(EXPERTS[0])) for k in state) else ("",)
+    out = {e: {k.removeprefix(_prefix(e)): v for k, v in state.items() if k.startswith(_prefix(e))} for e in experts}
+    stray = sorted(set(state) - {_prefix(e) + k for e, part in out.items() for k in part})
+    if stray:
+        raise LoongError(f"{stray[0]!r} is not a weight of the trained Wan module (wan.* or <expert>.wan.*)")
+    return out
+
+
+def write_diffusers(states: dict[str, dict[str, torch.Tensor]], wan: WanConfig, dst: str | Path) -> Path:
+    """Write :attr:`Checkpoint.states`-like Wan state dicts as diffusers folders: one model to ``dst``, both A14B
+    experts to ``dst/transformer`` and ``dst/transformer_2``. Returns ``dst``."""
+    dst = Path(dst)
+    for expert, state in states.items():
+        save_diffusers(state, wan, dst / PIPELINE_FOLDERS[expert] if expert else dst)
+    return dst
+
+
+def read_checkpoint(path: str | Path, ema: bool = False) -> Checkpoint:
+    """A Loong checkpoint's Wan weights (whole tensors in their saved dtype, on the host; ``ema``: the moving
+    averages of the weights instead) and config. Reads only the model's tensors (no optimiser state) and needs no
+    process group."""
+    step_dir = resolve_checkpoint(path)
+    config = read_config(step_dir)
+    try:
+        # only the model's section is parsed: the data and train keys of the run (its data paths, say) need not
+        # be valid on this machine; the start folder the run was initialised from is history
+        model = from_dict(WanModelConfig, {**config.get("model", {}), "init_from_diffusers": None}, "model")
+    except LoongError as exc:
+        raise LoongError(f"{step_dir} is not a loong-diffusion checkpoint ({exc})") from None
+    wan = model.wan()
+    meta = dcp.FileSystemReader(str(step_dir)).read_metadata().state_dict_metadata
+    pair = any(k.startswith(f"model.{_prefix(EXPERTS[0])}") for k in meta)
+    experts = EXPERTS if pair else ("",)
+    with torch.device("meta"):
+        one = WanTransformer(wan).state_dict()
+    shapes = {_prefix(e) + k: v for e in experts for k, v in one.items()}
+    check_same_model(step_dir, shapes, allow_missing=False)
+
+    def empty(key: str) -> torch.Tensor:
+        return torch.empty(shapes[key.split(".", 1)[1]].shape, dtype=meta[key].properties.dtype)
+
+    tensors = {k: empty(f"model.{k}") for k in shapes}
+    state: dict[str, dict[str, torch.Tensor]] = {"model": tensors}
+    if ema:
+        averaged = {k for k in shapes if f"{EMA_KEY}.{k}" in meta}
+        if not averaged:
+            decay = config.get("train", {}).get("ema_decay", 0.0)
+            raise LoongError(f"{step_dir} holds no moving averages of the weights (its run had train.ema_decay="
+                             f"{decay}); drop --ema to use the weights")
+        state[EMA_KEY] = {k: empty(f"{EMA_KEY}.{k}") for k in averaged}
+    dcp.load(state, checkpoint_id=str(step_dir))  # in place, into the tensors above
+    weights = {**tensors, **state.get(EMA_KEY, {})}  # a frozen parameter has no average: its value is its own
+    return Checkpoint(step_dir, config, wan, split_modules(weights))
+
+
+def load_model(state: dict[str, torch.Tensor], wan: WanConfig, dtype: torch.dtype | None = None,
+               device: torch.device | str | None = None, **model_kwargs: Any) -> WanTransformer:
+    """A :class:`WanTransformer` holding ``state`` (e.g. from :func:`read_checkpoint`); a ``dtype`` below float32
+    keeps diffusers' float32 parameters (:data:`~loong.diffusion.models.wan.mapping.KEEP_FP32`) in float32, as
+    ``load_diffusers`` does. ``model_kwargs``: the model's context-parallel groups and capabilities."""
+    keep = dtype is not None and torch.finfo(dtype).bits < 32
+    with torch.device("meta"):
+        model = WanTransformer(wan, **model_kwargs)
+    cast = {k: v.to(device=device, dtype=torch.float32 if keep and KEEP_FP32.search(k) else dtype)
+            for k, v in state.items()}
+    model.load_state_dict(cast, strict=True, assign=True)
+    return model
+
+
+def loong_to_diffusers(src: Path, dst: Path, dtype: str = "auto", ema: bool = False) -> Path:
+    """Write a Loong checkpoint's Wan weights (or, ``ema``, their moving averages) as a diffusers folder ``dst``;
+    a checkpoint of both A14B experts as ``dst/transformer`` (high-noise) and ``dst/transformer_2`` (low-noise),
+    the folders of a diffusers Wan 2.2 pipeline."""
+    ckpt = read_checkpoint(src, ema=ema)
+    target = DTYPES.get(dtype)
+    states = {e: {k: v.to(target) if target is not None and v.is_floating_point() else v for k, v in state.items()}
+              for e, state in ckpt.states.items()}
+    return write_diffusers(states, ckpt.wan, dst)
+
+
+def convert(src: str | Path, dst: str | Path, dtype: str = "auto", ema: bool = False) -> Path:
+    """Convert in the direction ``src`` implies; returns what was written. Nothing is written when ``src`` is not
+    understood. ``ema``: export a checkpoint's moving averages (Loong → diffusers only)."""
+    src_p, dst_p = Path(src), Path(dst)
+    if not src_p.exists():
+        raise LoongError(f"{src} does not exist")
+    if dtype != "auto" and dtype not in DTYPES:
+        raise LoongError(f"--dtype {dtype}: one of auto, {', '.join(DTYPES)}")
+    if is_diffusers_folder(src_p) or (src_p / "transformer" / CONFIG_NAME).is_file():
+        if ema:
+            raise LoongError(f"--ema exports a Loong checkpoint's moving averages; {src} is a diffusers folder")
+        if not is_diffusers_folder(src_p):  # a whole pipeline: read_diffusers_folder says to pass transformer/
+            read_diffusers_folder(src_p)
+        return diffusers_to_loong(src_p, dst_p, dtype)
+    try:
+        resolve_checkpoint(src_p, verify=False)  # is it a checkpoint at all? (integrity: when read)
+    except LoongError as exc:
+        if "not a Loong checkpoint" not in str(exc):  # a checkpoint, but broken: say how
+            raise
+        raise LoongError(f"{src} is neither a diffusers transformer folder (no {CONFIG_NAME}) nor a Loong checkpoint "
+                         "(no manifest.json, trainer_state.json or step_* directories)") from None
+    return loong_to_diffusers(src_p, dst_p, dtype, ema=ema)
+
+
+__all__ = ["DTYPES", "MODEL_PREFIX", "Checkpoint", "convert", "diffusers_to_loong", "is_diffusers_folder",
+           "load_model", "loong_to_diffusers", "model_config_for", "read_checkpoint", "split_modules", "write_diffusers"]
