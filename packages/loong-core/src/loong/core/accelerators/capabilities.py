@@ -19,7 +19,6 @@ FP8 = "fp8"
 OPTIMIZER_OFFLOAD = "optimizer_offload"
 GROUPED_MM = "grouped_mm"
 FLEX_ATTENTION = "flex_attention"
-CUDNN_ATTENTION = "cudnn_attention"
 
 #: name -> what reporting it promises. Reporting a name is a promise that the path works on this
 #: hardware, not merely that a package imports.
@@ -35,8 +34,6 @@ CAPABILITIES: dict[str, str] = {
                 "matrix products by default (model.moe_grouped_mm=auto)",
     FLEX_ATTENTION: "torch.compile'd FlexAttention (torch.nn.attention.flex_attention) runs forward and backward on "
                     "the device, so packed (varlen) and context-parallel attention take it (loong.core.attention)",
-    CUDNN_ATTENTION: "SDPA's cuDNN fused-attention backend runs forward and backward on the device and is the fastest "
-                     "dense attention there (Hopper), so loong.core.attention asks for it first",
 }
 
 

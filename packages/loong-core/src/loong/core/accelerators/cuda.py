@@ -87,8 +87,4 @@ class CUDAAccelerator(Accelerator):
             caps.add("fp8")
         if torch.cuda.get_device_capability() >= (9, 0):  # torch's grouped GEMM kernels (CUTLASS) need Hopper
             caps.add("grouped_mm")
-        # cuDNN's fused attention (SDPA's CUDNN_ATTENTION backend) is the fastest dense attention torch has on
-        # Hopper; torch tries FlashAttention-2 first unless told (loong.core.attention.dense_attention)
-        if torch.cuda.get_device_capability() >= (9, 0) and torch.backends.cudnn.is_available():
-            caps.add("cudnn_attention")
         return caps

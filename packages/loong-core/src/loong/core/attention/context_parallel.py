@@ -142,25 +142,10 @@ def gather_sequence(x: torch.Tensor, groups: CPGroups, dim: int = 1) -> torch.Te
     return all_gather_along(all_gather_along(x, groups.ulysses, dim), groups.ring, dim)
 
 
-def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float,
-                    capabilities: Collection[str] = ()) -> torch.Tensor:
-    """torch's SDPA; where the accelerator reports ``cudnn_attention`` its cuDNN kernel first (torch's own order
-    puts FlashAttention-2 first, which on Hopper reaches well under cuDNN's speed), then torch's usual order."""
-    gqa = q.shape[1] != k.shape[1]
-    if "cudnn_attention" not in capabilities:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale, enable_gqa=gqa)
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    order = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
-    with sdpa_kernel(order, set_priority=True):
-        return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale, enable_gqa=gqa)
-
-
 def _local_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_doc: torch.Tensor | None,
-                     kv_doc: torch.Tensor | None, causal: bool, scale: float, impl: str,
-                     capabilities: Collection[str]) -> torch.Tensor:
+                     kv_doc: torch.Tensor | None, causal: bool, scale: float, impl: str) -> torch.Tensor:
     if q_doc is None:
-        return dense_attention(q, k, v, causal, scale, capabilities)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
     return varlen_attention(q, k, v, q_doc, kv_doc_ids=kv_doc, causal=causal, scale=scale, impl=impl)
 
 
@@ -198,18 +183,18 @@ def cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups: CPGr
         if (doc_ids is None) != (kv_doc_ids is None):
             raise ValueError("cross-attention of packed samples needs both doc_ids and kv_doc_ids (or neither)")
         out = _local_attention(q_heads, local_heads(k, groups.ulysses), local_heads(v, groups.ulysses), q_doc,
-                               kv_doc_ids, False, scale, impl, capabilities)
+                               kv_doc_ids, False, scale, impl)
     else:
         if kv_doc_ids is not None:
             raise ValueError("kv_doc_ids is for cross-attention (kv_replicated=True); self-attention uses doc_ids")
         k_heads, v_heads = seq_to_heads(k, groups.ulysses), seq_to_heads(v, groups.ulysses)
         if groups.ring_size == 1:
-            out = _local_attention(q_heads, k_heads, v_heads, q_doc, None, causal, scale, impl, capabilities)
+            out = _local_attention(q_heads, k_heads, v_heads, q_doc, None, causal, scale, impl)
         else:
             out = ring_attention(q_heads, k_heads, v_heads, groups.ring, doc_ids=q_doc, causal=causal, scale=scale,
                                  impl=impl)
     return heads_to_seq(out, groups.ulysses)
 
 
-__all__ = ["MESH_DIMS", "CPGroups", "cp_attention", "cp_groups_from_group", "cp_groups_from_mesh", "dense_attention",
-           "gather_sequence", "shard_sequence"]
+__all__ = ["MESH_DIMS", "CPGroups", "cp_attention", "cp_groups_from_group", "cp_groups_from_mesh", "gather_sequence",
+           "shard_sequence"]
