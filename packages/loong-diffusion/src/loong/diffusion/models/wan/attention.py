@@ -17,7 +17,7 @@ from torch import nn
 
 from loong.core.attention import CPGroups, cp_attention
 from loong.diffusion.models.wan.norms import RMSNorm
-from loong.diffusion.models.wan.rope import apply_rope
+from loong.diffusion.models.wan.rope import rotate_qk
 from loong.kernels import Backend
 
 
@@ -35,12 +35,13 @@ class SelfAttention(nn.Module):
     """Full (non-causal) self-attention of the video tokens; q, k, v from one fused projection."""
 
     def __init__(self, dim: int, heads: int, eps: float, groups: CPGroups, capabilities: Collection[str],
-                 norm_backend: Backend | None = None) -> None:
+                 kernel_backend: Backend | None = None) -> None:
         super().__init__()
         self.heads, self.groups, self.capabilities = heads, groups, capabilities
+        self.kernel_backend = kernel_backend
         self.qkv = nn.Linear(dim, 3 * dim)
-        self.q_norm = RMSNorm(dim, eps, norm_backend)
-        self.k_norm = RMSNorm(dim, eps, norm_backend)
+        self.q_norm = RMSNorm(dim, eps, kernel_backend)
+        self.k_norm = RMSNorm(dim, eps, kernel_backend)
         self.out = nn.Linear(dim, dim)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -48,8 +49,8 @@ class SelfAttention(nn.Module):
         """``x [b, s_local, dim]``, this CP rank's tokens; ``cos``/``sin`` their rotary angles; ``doc_ids [b,
         s_local]`` their clips in a packed sequence (varlen attention within each clip; -1 = padding)."""
         q, k, v = self.qkv(x).chunk(3, dim=-1)
-        q = apply_rope(split_heads(self.q_norm(q), self.heads), cos, sin)
-        k = apply_rope(split_heads(self.k_norm(k), self.heads), cos, sin)
+        q, k = rotate_qk(split_heads(self.q_norm(q), self.heads), split_heads(self.k_norm(k), self.heads), cos, sin,
+                         self.kernel_backend)
         out = cp_attention(q, k, split_heads(v, self.heads), self.groups, doc_ids=doc_ids,
                            capabilities=self.capabilities)
         return self.out(merge_heads(out))
@@ -60,15 +61,15 @@ class CrossAttention(nn.Module):
     softmax over their own normalised keys, added to the text attention's output before the output projection)."""
 
     def __init__(self, dim: int, heads: int, eps: float, groups: CPGroups, capabilities: Collection[str],
-                 image: bool = False, norm_backend: Backend | None = None) -> None:
+                 image: bool = False, kernel_backend: Backend | None = None) -> None:
         super().__init__()
         self.heads, self.groups, self.capabilities = heads, groups, capabilities
         self.q = nn.Linear(dim, dim)
         self.kv = nn.Linear(dim, 2 * dim)
-        self.q_norm = RMSNorm(dim, eps, norm_backend)
-        self.k_norm = RMSNorm(dim, eps, norm_backend)
+        self.q_norm = RMSNorm(dim, eps, kernel_backend)
+        self.k_norm = RMSNorm(dim, eps, kernel_backend)
         self.image_kv = nn.Linear(dim, 2 * dim) if image else None
-        self.image_k_norm = RMSNorm(dim, eps, norm_backend) if image else None
+        self.image_k_norm = RMSNorm(dim, eps, kernel_backend) if image else None
         self.out = nn.Linear(dim, dim)
 
     def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc_ids: torch.Tensor | None = None,

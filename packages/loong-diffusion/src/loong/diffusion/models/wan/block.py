@@ -58,15 +58,15 @@ class WanBlock(nn.Module):
     """Self-attention (RoPE, sharded tokens), cross-attention (text, + image for I2V), feed-forward."""
 
     def __init__(self, config: WanConfig, groups: CPGroups, capabilities: Collection[str],
-                 norm_backend: Backend | None = None) -> None:
+                 kernel_backend: Backend | None = None) -> None:
         super().__init__()
         d = config.dim
         self.modulation = nn.Parameter(torch.randn(1, 6, d) / d**0.5)
         self.norm_attn = LayerNorm32(d, config.eps, affine=False)
-        self.self_attn = SelfAttention(d, config.num_heads, config.eps, groups, capabilities, norm_backend)
+        self.self_attn = SelfAttention(d, config.num_heads, config.eps, groups, capabilities, kernel_backend)
         self.cross_norm = LayerNorm32(d, config.eps) if config.cross_attn_norm else None
         self.cross_attn = CrossAttention(d, config.num_heads, config.eps, groups, capabilities,
-                                         image=config.image_dim is not None, norm_backend=norm_backend)
+                                         image=config.image_dim is not None, kernel_backend=kernel_backend)
         self.norm_ffn = LayerNorm32(d, config.eps, affine=False)
         self.ffn = FeedForward(d, config.ffn_dim)
 

@@ -59,13 +59,13 @@ class WanTransformer(nn.Module):
         self.config = config
         self.groups = groups or CPGroups()
         self.capabilities = frozenset(capabilities)
-        # q/k RMSNorm through loong-kernels where the accelerator has Triton (its "auto" takes the kernel on CUDA)
-        norm_backend = "auto" if "triton" in self.capabilities else None
+        # q/k RMSNorm and RoPE through loong-kernels where the accelerator has Triton ("auto": the kernels on CUDA)
+        kernel_backend = "auto" if "triton" in self.capabilities else None
         d = config.dim
         # a Conv3d-shaped weight (diffusers' layout), applied as one matrix product to this rank's patches only
         self.patch_embed = nn.Conv3d(config.in_channels, d, kernel_size=config.patch_size, stride=config.patch_size)
         self.condition = ConditionEmbedder(config)
-        self.blocks = nn.ModuleList(WanBlock(config, self.groups, self.capabilities, norm_backend)
+        self.blocks = nn.ModuleList(WanBlock(config, self.groups, self.capabilities, kernel_backend)
                                     for _ in range(config.num_layers))
         self.norm_out = LayerNorm32(d, config.eps, affine=False)
         self.head_modulation = nn.Parameter(torch.randn(1, 2, d) / d**0.5)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from loong.diffusion.models.wan.config import ROPE_THETA
+from loong.kernels import Backend
 
 
 def grid_positions(frames: int, height: int, width: int, device: torch.device | str | None = None) -> torch.Tensor:
@@ -47,4 +48,16 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return rotated.flatten(-2).to(x.dtype)
 
 
-__all__ = ["apply_rope", "grid_positions", "rope_angles"]
+def rotate_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+              backend: Backend | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`apply_rope` of ``q`` and ``k`` (``[b, heads, tokens, head_dim]``); with a loong-kernels ``backend``
+    both in one fused launch of its interleaved-pair RoPE (the same fp32 arithmetic, rounded once)."""
+    if backend is None:
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    from loong.kernels import apply_rope as fused_rope
+
+    q, k = fused_rope(q, k, cos, sin, layout="bhsd", interleaved=True, backend=backend)
+    return q, k  # type: ignore[return-value]
+
+
+__all__ = ["apply_rope", "grid_positions", "rope_angles", "rotate_qk"]
