@@ -1,8 +1,10 @@
-"""Data plumbing every modality shares: one data-parallel rank's micro-batches of a global batch."""
+"""Data plumbing every modality shares: one data-parallel rank's micro-batches of a global batch, and the line count
+of a data file (the total of a preprocessing progress bar)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import torch
 
@@ -19,3 +21,13 @@ def rank_microbatches(sample: Callable[[int], dict[str, torch.Tensor]], first: i
     for m in range(num_microbatches):
         samples = [sample(start + m * mbs + i) for i in range(mbs)]
         yield {k: torch.stack([s[k] for s in samples]) for k in samples[0]}
+
+
+def count_lines(path: Path) -> int:
+    """Lines of a file (a last line without a newline counts), counted in 1 MiB binary blocks without decoding."""
+    n, last = 0, b"\n"
+    with Path(path).open("rb") as fh:
+        while block := fh.read(1 << 20):
+            n += block.count(b"\n")
+            last = block[-1:]
+    return n + (last != b"\n")

@@ -101,15 +101,6 @@ def decode_line(raw: bytes, line: int, manifest: Path) -> Row | None:
     return parse_row(text, line, manifest)
 
 
-def count_lines(manifest: Path) -> int:
-    """Lines of the manifest (a last line without newline counts), read in binary blocks."""
-    n, last = 0, b"\n"
-    with manifest.open("rb") as fh:
-        while block := fh.read(1 << 20):
-            n += block.count(b"\n")
-            last = block[-1:]
-    return n + (last != b"\n")
 
-
-__all__ = ["MEDIA_FIELDS", "Row", "RowError", "count_lines", "decode_line", "open_manifest", "parse_row",
+__all__ = ["MEDIA_FIELDS", "Row", "RowError", "decode_line", "open_manifest", "parse_row",
            "read_lines"]

@@ -27,10 +27,11 @@ from rich.progress import (
     TimeRemainingColumn,
 )
 
+from loong.core.data import count_lines
 from loong.core.errors import LoongError
 from loong.diffusion.preprocess.buckets import DEFAULT_BUCKETS, parse_buckets
 from loong.diffusion.preprocess.encode import Encoders
-from loong.diffusion.preprocess.manifest import RowError, count_lines, decode_line, open_manifest, read_lines
+from loong.diffusion.preprocess.manifest import RowError, decode_line, open_manifest, read_lines
 from loong.diffusion.preprocess.media import load_clip
 from loong.diffusion.preprocess.writer import ShardWriter
 

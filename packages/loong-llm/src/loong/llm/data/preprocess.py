@@ -26,6 +26,7 @@ from typing import Any, Literal
 
 import numpy as np
 
+from loong.core.data import count_lines
 from loong.core.errors import LoongError
 from loong.llm.data.text import json_record_text
 from loong.llm.data.tokenizer import Tokenizer, load_tokenizer
@@ -59,15 +60,6 @@ def resolve_format(path: Path, fmt: str) -> str:
         return "jsonl"
     return "parquet" if path.suffix in (".parquet", ".pq") else "text"
 
-
-def count_lines(path: Path) -> int:
-    """Lines in a file, counted in 1 MiB binary blocks (no decoding)."""
-    n, last = 0, b"\n"
-    with path.open("rb") as fh:
-        while block := fh.read(1 << 20):
-            n += block.count(b"\n")
-            last = block[-1:]
-    return n + (last != b"\n")
 
 
 # --- worker side -----------------------------------------------------------------------------
