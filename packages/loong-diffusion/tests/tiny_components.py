@@ -6,6 +6,9 @@
 * :func:`tiny_text_encoder_folder`: a diffusers-pipeline-style root with ``text_encoder/`` (a transformers
   ``UMT5EncoderModel``) and ``tokenizer/`` (a T5 Unigram tokenizer, ``AutoTokenizer``-loadable, ``<pad>`` = 0,
   ``</s>`` = 1 appended to every prompt, as a ``WanPipeline`` expects).
+* :func:`tiny_image_encoder_folder`: a diffusers-I2V-pipeline-style root with ``image_encoder/`` (a transformers
+  ``CLIPVisionModel`` of width :data:`TINY_IMAGE_DIM`, the ``tiny_i2v`` preset's ``image_dim``) and
+  ``image_processor/`` (a ``CLIPImageProcessor`` to its 16-pixel input: :data:`TINY_IMAGE_TOKENS` tokens).
 
 Sizes are chosen so that one encode or decode of a 5-frame 32×32 clip takes a few tens of milliseconds on CPU.
 The weights are random but seeded, so two calls with the same arguments write equal folders.
@@ -20,6 +23,10 @@ import torch
 
 #: the width of the tiny text encoder's output, equal to the ``tiny`` Wan presets' ``text_dim``
 TINY_TEXT_DIM = 32
+
+#: the tiny CLIP image encoder's width (the ``tiny_i2v`` preset's ``image_dim``) and tokens per image (16×16 pixels
+#: in 8×8 patches, plus the class token)
+TINY_IMAGE_DIM, TINY_IMAGE_TOKENS = 24, 5
 
 #: text the tiny tokenizer's word pieces come from (captions of the kind the tests use); any other word falls back
 #: to single characters, so every ASCII prompt tokenises without ``<unk>``
@@ -104,4 +111,24 @@ def tiny_text_encoder_folder(path: str | Path, seed: int = 0) -> Path:
     return folder
 
 
-__all__ = ["TINY_TEXT_DIM", "tiny_text_encoder_folder", "tiny_tokenizer", "tiny_vae_folder"]
+def tiny_image_encoder_folder(path: str | Path, seed: int = 0) -> Path:
+    """Write a tiny random CLIP image encoder to ``path`` and return ``path``, laid out like a diffusers Wan I2V
+    pipeline: ``path/image_encoder/`` (a ``CLIPVisionModel``: 2 layers, so that the penultimate hidden state Wan
+    takes is the first layer's output) and ``path/image_processor/`` (a ``CLIPImageProcessor``: shortest edge
+    resized to 16, centre-cropped to 16×16, CLIP's normalisation). Without torchvision, transformers loads the
+    processor as its PIL-backed ``CLIPImageProcessorPil``, which takes the same PIL images."""
+    from transformers import CLIPImageProcessor, CLIPVisionConfig, CLIPVisionModel
+
+    config = CLIPVisionConfig(hidden_size=TINY_IMAGE_DIM, intermediate_size=48, num_hidden_layers=2,
+                              num_attention_heads=2, image_size=16, patch_size=8, projection_dim=TINY_IMAGE_DIM)
+    torch.manual_seed(seed)
+    model = CLIPVisionModel(config).eval()
+    folder = Path(path)
+    model.save_pretrained(folder / "image_encoder")
+    CLIPImageProcessor(size={"shortest_edge": 16}, crop_size={"height": 16, "width": 16}).save_pretrained(
+        folder / "image_processor")
+    return folder
+
+
+__all__ = ["TINY_IMAGE_DIM", "TINY_IMAGE_TOKENS", "TINY_TEXT_DIM", "tiny_image_encoder_folder",
+           "tiny_text_encoder_folder", "tiny_tokenizer", "tiny_vae_folder"]

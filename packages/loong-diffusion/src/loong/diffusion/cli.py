@@ -145,6 +145,14 @@ def _setup_preprocess(p: argparse.ArgumentParser) -> None:
     p.add_argument("--shard-size", type=int, default=64, help="clips per shard (the unit of resuming)")
     p.add_argument("--on-error", default="fail", choices=["fail", "skip"],
                    help="a bad row (file:line) stops the run (fail) or is counted, reported and skipped (skip)")
+    p.add_argument("--condition", default="none", choices=["none", "first", "first_last"],
+                   help="also store each clip's image-to-video condition latent (the VAE latent of its first frame, "
+                        "first_last: and its last, with empty frames between), for Wan I2V (first) and FLF2V "
+                        "(first_last) training")
+    p.add_argument("--image-encoder", default=None, metavar="DIR",
+                   help="also store CLIP image features of the conditioning frames (Wan 2.1 I2V / FLF2V): a diffusers "
+                        "Wan I2V pipeline folder (image_encoder/, image_processor/) or a CLIPVisionModel folder with "
+                        "its preprocessor_config.json; needs --condition")
     p.add_argument("--device", default="auto", help="auto (cuda when available), cpu, cuda, cuda:N")
     p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"], help="the encoders' compute dtype")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -155,7 +163,8 @@ def _run_preprocess(args: argparse.Namespace) -> int:
 
     s = preprocess(args.manifest, args.output, vae=args.vae, text_encoder=args.text_encoder, buckets=args.buckets,
                    fps=args.fps, text_len=args.text_len, shard_size=args.shard_size, on_error=args.on_error,
-                   device=args.device, dtype=args.dtype, progress=not args.no_progress)
+                   device=args.device, dtype=args.dtype, condition=args.condition, image_encoder=args.image_encoder,
+                   progress=not args.no_progress)
     resumed = f" (continued after line {s['resumed_at']})" if s["resumed_at"] else ""
     lines = [f"wrote {s['output']}/: {s['shards']} shards, index.json{resumed}",
              f"clips: {s['clips']} ({s['videos']} videos, {s['images']} images; {s['new_clips']} new)",
@@ -165,8 +174,9 @@ def _run_preprocess(args: argparse.Namespace) -> int:
     if s["skipped"] > 20:
         lines.append(f"  ... and {s['skipped'] - 20} more (listed in the shards' .json sidecars)")
     lines.append(f"seconds: {s['seconds']} ({s['clips_per_s']} clips/s)")
+    image_len = f" data.image_len={s['image']['tokens']}" if s["image"] else ""
     lines.append(f"train on it: loong-diffusion train data.source=shards data.path={s['output']} "
-                 f"data.text_len={args.text_len}")
+                 f"data.text_len={args.text_len}{image_len}")
     print("\n".join(lines), file=sys.stderr)
     return 0
 

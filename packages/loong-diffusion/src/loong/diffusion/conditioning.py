@@ -16,8 +16,9 @@ Three kinds of Wan model take a first frame (:func:`image_kind`):
 
 The condition latent a pipeline feeds is the VAE latent of the frame followed by empty frames. The Wan VAE is causal
 in time, so its first latent frame is the latent of the first pixel frame alone: the clip's own first latent frame.
-The later frames need the VAE (:func:`condition_latent` takes them from the data where it has them); the synthetic
-set has none and stands in zeros (and, first-last-frame, the clip's own last latent frame).
+The later frames need the VAE: ``loong-diffusion preprocess --condition first|first_last`` stores the condition
+latent per clip (and ``--image-encoder`` the CLIP features), and :func:`condition_latent` takes it from there; the
+synthetic set has none and stands in zeros (and, first-last-frame, the clip's own last latent frame).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import torch
 
 from loong.core.attention import CPGroups, shard_sequence
 from loong.core.errors import LoongError
+from loong.diffusion.data.shards import read_index
 from loong.diffusion.models.wan.config import WanConfig
 
 #: channels of the I2V frame mask: the Wan VAE's temporal compression (pixel frames per latent frame)
@@ -136,16 +138,45 @@ def check_conditioning(cfg: Any, wan: WanConfig) -> None:
     if kind == "none":
         return
     if d.source == "shards" and kind == "channels":  # TI2V needs only the clip's own first latent frame
-        raise LoongError(f"model.preset={cfg.model.preset} is image-to-video by channels: its condition (the VAE "
-                         "latent of the padded first frame, and CLIP image features for Wan 2.1) is not in the "
-                         "shards loong-diffusion preprocess writes, which hold each clip's latents and text; train "
-                         "it on data.source=synthetic, or a text-to-video / TI2V model on the shards")
+        check_shard_conditioning(cfg, wan, read_index(d.path))
     if kind == "latent":
         first_frame_tokens(wan, (1, 1, 1))  # patch_size[0] must be 1
     if wan.pos_embed_seq_len is not None and 2 * d.image_len != wan.pos_embed_seq_len:
         raise LoongError(f"data.image_len={d.image_len}: the first-last-frame model's image position table holds "
                          f"model.pos_embed_seq_len={wan.pos_embed_seq_len} tokens, two images of "
                          f"{wan.pos_embed_seq_len // 2}; set data.image_len={wan.pos_embed_seq_len // 2}")
+
+
+def check_shard_conditioning(cfg: Any, wan: WanConfig, index: dict[str, Any]) -> None:
+    """Refuse a channel-conditioned model on shards (``index``: their ``index.json``) that do not hold its
+    condition: the condition latent of its frames (``first``, FLF2V ``first_last``) and, for a model with
+    ``image_dim`` (Wan 2.1), CLIP features of that width and ``data.image_len`` tokens per image."""
+    where, preset = f"data.path={cfg.data.path}", f"model.preset={cfg.model.preset}"
+    want = "first_last" if last_frame_too(wan) else "first"
+    held = index.get("condition", "none")
+    if held == "none":
+        raise LoongError(f"{where} holds no condition latents, which {preset} (image-to-video by channels) takes "
+                         f"as input: preprocess the clips with --condition {want}"
+                         + (" --image-encoder PIPELINE" if wan.image_dim is not None else "")
+                         + " into a new folder (or train it on data.source=synthetic)")
+    if held != want:
+        raise LoongError(f"{where} was preprocessed with --condition {held}, but {preset} is conditioned on "
+                         f"{'the first and last frame' if want == 'first_last' else 'the first frame'}: preprocess "
+                         f"with --condition {want} into a new folder")
+    if wan.image_dim is None:
+        return
+    image = index.get("image")
+    if image is None:
+        raise LoongError(f"{where} holds no CLIP image features, which {preset} (model.image_dim={wan.image_dim}) "
+                         f"takes: preprocess with --condition {want} --image-encoder PIPELINE (the model's "
+                         "diffusers pipeline folder, with image_encoder/ and image_processor/) into a new folder")
+    if image["dim"] != wan.image_dim:
+        raise LoongError(f"{where} holds CLIP features of width {image['dim']}, but {preset} takes "
+                         f"model.image_dim={wan.image_dim}: preprocess with the model's image encoder (Wan 2.1: "
+                         "CLIP ViT-H/14, 1280), or set model.image_dim")
+    if image["tokens"] != cfg.data.image_len:
+        raise LoongError(f"data.image_len={cfg.data.image_len}, but {where} holds {image['tokens']} CLIP tokens per "
+                         f"image; set data.image_len={image['tokens']}")
 
 
 def condition_sample(wan: WanConfig, cfg: Any, clip: dict[str, torch.Tensor], flow: dict[str, torch.Tensor],
@@ -184,6 +215,6 @@ def weighted_mse(pred: torch.Tensor, target: torch.Tensor, weight: torch.Tensor,
     return (err * local).sum() * groups.size / weight.sum().clamp_min(1)
 
 
-__all__ = ["MASK_CHANNELS", "channel_input", "check_conditioning", "condition_latent", "condition_sample",
-           "first_frame_tokens", "frame_mask", "image_kind", "last_frame_too", "latent_input", "synthetic_image_features",
-           "weighted_mse"]
+__all__ = ["MASK_CHANNELS", "channel_input", "check_conditioning", "check_shard_conditioning", "condition_latent",
+           "condition_sample", "first_frame_tokens", "frame_mask", "image_kind", "last_frame_too", "latent_input",
+           "synthetic_image_features", "weighted_mse"]

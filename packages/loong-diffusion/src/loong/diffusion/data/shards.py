@@ -1,7 +1,8 @@
 """Training clips from a ``loong-diffusion preprocess`` folder (``data.source=shards``, ``data.path=OUT``).
 
 :class:`LatentShards` reads clip ``i``: its normalised VAE latents ``[c, f, h, w]`` and its caption's text
-embeddings zero-padded to ``text_len`` (as ``WanPipeline`` pads them), plus its bucket.
+embeddings zero-padded to ``text_len`` (as ``WanPipeline`` pads them), plus its bucket; and where the folder was
+preprocessed with ``--condition`` / ``--image-encoder``, its image-to-video condition latent and CLIP features.
 
 :class:`BucketOrder` decides which clip stream sample ``n`` is, so that every global batch is one bucket (its
 micro-batches stack into one shape on every DP rank): an epoch shuffles each bucket's clips (seeded by
@@ -74,6 +75,10 @@ class LatentShards:
         self.text_len = text_len
         self.latent_channels: int = int(self.meta["latent_channels"])
         self.text_dim: int = int(self.meta["text_dim"])
+        #: what conditions an image-to-video model: none | first | first_last (folders before the option: none)
+        self.condition: str = self.meta.get("condition", "none")
+        #: the CLIP features' ``{images, tokens, dim}``, or None when the folder has none
+        self.image: dict[str, int] | None = self.meta.get("image")
         self.records: list[ClipRecord] = []
         for number in range(int(self.meta["shards"])):
             sidecar = self.folder / f"shard-{number:05d}.json"
@@ -111,14 +116,20 @@ class LatentShards:
 
     def clip(self, i: int) -> dict[str, Any]:
         """Clip ``i``: ``latents [c, f, h, w]``, ``text [text_len, text_dim]`` (zero-padded; a caption longer
-        than ``text_len`` is cut, as the tokenizer would have cut it), ``bucket`` (its name)."""
+        than ``text_len`` is cut, as the tokenizer would have cut it), ``bucket`` (its name); where the folder holds
+        them, ``condition [c, f, h, w]`` (the condition latent) and ``image [images · tokens, dim]``."""
         r = self.records[i]
         handle = self._handle(r.shard)
         latents = handle.get_tensor(f"{r.slot}.latents").float()
         tokens = handle.get_tensor(f"{r.slot}.text").float()[: self.text_len]
         text = torch.zeros(self.text_len, tokens.shape[1], dtype=torch.float32)
         text[: tokens.shape[0]] = tokens
-        return {"latents": latents, "text": text, "bucket": r.bucket}
+        clip = {"latents": latents, "text": text, "bucket": r.bucket}
+        if self.condition != "none":
+            clip["condition"] = handle.get_tensor(f"{r.slot}.condition").float()
+        if self.image is not None:
+            clip["image"] = handle.get_tensor(f"{r.slot}.image").float()
+        return clip
 
 
 def _generator(*parts: int) -> torch.Generator:

@@ -30,7 +30,15 @@ from rich.progress import (
 from loong.core.data import count_lines
 from loong.core.errors import LoongError
 from loong.diffusion.preprocess.buckets import DEFAULT_BUCKETS, parse_buckets
-from loong.diffusion.preprocess.encode import Encoders
+from loong.diffusion.preprocess.encode import DTYPES, Encoders
+from loong.diffusion.preprocess.image_encoder import (
+    CONDITIONS,
+    Condition,
+    ImageEncoder,
+    condition_frames,
+    condition_images,
+    condition_pixels,
+)
 from loong.diffusion.preprocess.manifest import RowError, decode_line, open_manifest, read_lines
 from loong.diffusion.preprocess.media import load_clip
 from loong.diffusion.preprocess.writer import ShardWriter
@@ -61,24 +69,46 @@ def _progress(enabled: bool) -> Progress:
 def preprocess(manifest: str | Path, output: str | Path, *, vae: str | Path, text_encoder: str | Path,
                buckets: str = DEFAULT_BUCKETS, fps: float | None = None, text_len: int = 512, shard_size: int = 64,
                on_error: Literal["fail", "skip"] = "fail", device: str = "auto", dtype: str = "fp32",
+               condition: Condition = "none", image_encoder: str | Path | None = None,
                progress: bool = True) -> dict[str, Any]:
-    """Preprocess ``manifest`` into ``output`` (see the module docstring); returns the summary: ``clips``,
+    """Preprocess ``manifest`` into ``output`` (see the module docstring); ``condition`` (``first`` |
+    ``first_last``) also stores each clip's image-to-video condition latent, and ``image_encoder`` (a CLIP vision
+    model folder) the CLIP features of its conditioning frames (:mod:`.image_encoder`). Returns the summary: ``clips``,
     ``videos``, ``images``, ``skipped`` and ``skipped_rows`` (``where``/``reason``, this and earlier runs),
     ``buckets`` (clips per bucket), ``new_clips`` (this run), ``shards``, ``seconds``, ``clips_per_s``, ``output``,
-    ``resumed_at`` (the manifest line this run started after)."""
+    ``resumed_at`` (the manifest line this run started after), ``condition`` and ``image`` (what the shards hold
+    for image-to-video, as in the index)."""
     if on_error not in ON_ERROR:
         raise LoongError(f"--on-error: {on_error!r} is not one of {list(ON_ERROR)}")
     if shard_size < 1:
         raise LoongError(f"--shard-size must be >= 1, got {shard_size}")
     if fps is not None and fps <= 0:
         raise LoongError(f"--fps must be > 0, got {fps}")
+    if condition not in CONDITIONS:
+        raise LoongError(f"--condition: {condition!r} is not one of {list(CONDITIONS)}")
+    if image_encoder is not None and condition == "none":
+        raise LoongError("--image-encoder: CLIP features are of the conditioning frames; give --condition first "
+                         "(Wan 2.1 I2V) or --condition first_last (Wan 2.1 FLF2V) with it")
     manifest = open_manifest(manifest)
     started = time.perf_counter()
     enc = Encoders(vae, text_encoder, device=device, dtype=dtype, text_len=text_len)
     parsed = parse_buckets(buckets, temporal=enc.temporal, spatial=enc.spatial)
+    stills = [b.name for b in parsed if b.frames == 1]
+    if condition == "first_last" and stills:
+        raise LoongError(f"--condition first_last conditions a clip on its first and last frame, which a one-frame "
+                         f"bucket does not have ({', '.join(stills)}); drop those from --buckets")
+    clip_encoder = ImageEncoder(image_encoder, device=device, dtype=DTYPES[dtype]) if image_encoder else None
     options = {**enc.fingerprint, "buckets": [b.name for b in parsed], "fps": fps}
+    if condition != "none":  # only then: a folder of today's options keeps today's index, and resumes
+        options["condition"] = condition
+    if clip_encoder is not None:
+        options["image_encoder"] = clip_encoder.fingerprint
+    # what the shards hold besides latents and text (the reader and the training checks read these)
+    image = None if clip_encoder is None else {"images": condition_frames(condition), "tokens": clip_encoder.tokens,
+                                               "dim": clip_encoder.dim}
     layout = {"latent_channels": enc.latent_channels, "text_dim": enc.text_dim,
-              "vae_scale_factor": [enc.temporal, enc.spatial, enc.spatial], "manifest": str(manifest)}
+              "vae_scale_factor": [enc.temporal, enc.spatial, enc.spatial], "condition": condition, "image": image,
+              "manifest": str(manifest)}
     out = Path(output)
     if out.exists() and not out.is_dir():
         raise LoongError(f"--output {out} is a file; give a folder")
@@ -118,6 +148,12 @@ def preprocess(manifest: str | Path, output: str | Path, *, vae: str | Path, tex
                             j = len(samples)
                             tensors[f"{j}.latents"] = enc.encode_video(clip.pixels)
                             tensors[f"{j}.text"] = enc.encode_text(row.caption)
+                            if condition != "none":
+                                tensors[f"{j}.condition"] = enc.encode_video(condition_pixels(clip.pixels,
+                                                                                              condition))
+                            if clip_encoder is not None:
+                                tensors[f"{j}.image"] = clip_encoder.encode(condition_images(clip.pixels,
+                                                                                             condition))
                             samples.append({
                                 "line": number, "kind": row.kind, "source": row.source, "caption": row.caption,
                                 "bucket": clip.bucket.name, "latent_shape": list(tensors[f"{j}.latents"].shape),
@@ -152,7 +188,7 @@ def preprocess(manifest: str | Path, output: str | Path, *, vae: str | Path, tex
         seconds = time.perf_counter() - started
         return {**totals, "skipped_rows": writer.skipped(), "new_clips": new_clips, "shards": writer.shards,
                 "seconds": round(seconds, 3), "clips_per_s": round(new_clips / seconds, 3) if seconds else None,
-                "output": str(out), "resumed_at": resumed_at}
+                "output": str(out), "resumed_at": resumed_at, "condition": condition, "image": image}
     finally:
         writer.close()
 

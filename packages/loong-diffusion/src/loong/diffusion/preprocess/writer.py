@@ -4,11 +4,15 @@ leaves a folder that the next run continues exactly.
 Layout of ``OUT/``:
 
 * ``shard-00000.safetensors``: the samples of one commit, tensors ``{j}.latents`` (``[c, f, h, w]``, float32) and
-  ``{j}.text`` (``[tokens, text_dim]``, float32, trimmed to the caption's real length), ``j`` = 0, 1, ...
+  ``{j}.text`` (``[tokens, text_dim]``, float32, trimmed to the caption's real length), ``j`` = 0, 1, ...;
+  with ``--condition`` also ``{j}.condition`` (the image-to-video condition latent, shaped as the latents), with
+  ``--image-encoder`` ``{j}.image`` (``[images · tokens, dim]`` CLIP features of the conditioning frames).
 * ``shard-00000.json``: its sidecar, the **commit marker**: the manifest lines it covers, each sample's row,
   caption, bucket and shapes, the rows skipped in that range and why, and the SHA-256 of the manifest's bytes
   up to its last line. A shard without its sidecar does not exist for readers and is rewritten on resume.
-* ``index.json``: the options and encoders the folder was made with, the totals, and ``complete``.
+* ``index.json``: the options and encoders the folder was made with, what the shards hold (``condition``:
+  ``none`` | ``first`` | ``first_last``; ``image``: ``{images, tokens, dim}`` of the CLIP features, or null), the
+  totals, and ``complete``.
 
 Every file is written to a temporary name in ``OUT`` and renamed into place (atomic on POSIX), shard first, then
 sidecar, then index: a kill at any point leaves committed shards intact and no partial file under a final name.
