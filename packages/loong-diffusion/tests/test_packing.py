@@ -74,10 +74,14 @@ def test_a_packed_step_equals_the_unpacked_clips() -> None:
     for name, want in want_grads.items():
         assert _error(got_grads[name], want) <= TOLERANCE, name
 
-    with torch.no_grad():  # evaluation: the engine's fixed micro-batch count, the same clip mean
+    with torch.no_grad():  # evaluation: packed within the budget too (its own micro-batch count), the same clip mean
         def evaluated(task: WanTask, m: torch.nn.Module, nmb: int) -> float:
             return sum(float(task.loss(m, b)[0]) for b in task.eval_microbatches(0, nmb)) / nmb
-        assert evaluated(packed, model, 1) == pytest.approx(evaluated(unpacked, reference, 8), rel=TOLERANCE)
+        nmb = packed.num_eval_microbatches(0, 1)
+        assert nmb >= 3 and unpacked.num_eval_microbatches(0, 8) == 8
+        for batch in packed.eval_microbatches(0, nmb):
+            assert int((batch["doc_ids"] >= 0).sum()) <= BUDGET
+        assert evaluated(packed, model, nmb) == pytest.approx(evaluated(unpacked, reference, 8), rel=TOLERANCE)
 
 
 def test_the_plan_is_one_for_every_rank_and_balances_the_step() -> None:

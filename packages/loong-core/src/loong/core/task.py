@@ -60,6 +60,11 @@ class Task(ABC):
         """
         return default
 
+    def num_eval_microbatches(self, index: int, default: int) -> int:
+        """Micro-batches per DP rank for evaluation batch ``index`` (the same on every rank); as
+        :meth:`num_train_microbatches`, for a task whose planned micro-batches hold a token budget."""
+        return default
+
     def measures_compute_time(self) -> bool:
         """Whether the engine should measure each step's compute time (``StepMetrics.extra``)."""
         return False

@@ -98,8 +98,8 @@ class ClipPacker:
 
     def plan(self, first: int, train: bool = True) -> StepPlan:
         """The plan of the global batch of samples ``first .. first + global_batch_size − 1`` (cached): positions
-        into that batch by rank and micro-batch. ``train=False`` (evaluation) opens exactly the default number of
-        micro-batches, without the token budget."""
+        into that batch by rank and micro-batch, each within the token budget (``train``: the key of the cache;
+        evaluation batches plan alike)."""
         key = (first, train)
         if self._cached is None or self._cached[0] != key:
             lengths = [self.tokens_of(first + j) for j in range(self.gbs)]
@@ -109,7 +109,7 @@ class ClipPacker:
             per_rank = self.gbs // self.dp
             step_plan = self.balancer.plan_step(first, lengths, [j // per_rank for j in range(self.gbs)],
                                                 self.default_micro_batches,
-                                                capacity=self.pack_tokens if train else None)
+                                                capacity=self.pack_tokens)
             self._cached = (key, step_plan)
         return self._cached[1]
 

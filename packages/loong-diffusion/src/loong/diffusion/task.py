@@ -212,6 +212,10 @@ class WanTask(FSDPTask):
                           default_micro_batches=self.gbs // (self.mbs * self.layout.dp), pack_tokens=d.pack_tokens,
                           cost=clip_cost_model(self.wan, d.text_len), seed=t.seed, patch_size=self.wan.patch_size)
 
+    def num_eval_microbatches(self, index: int, default: int) -> int:
+        return self.packer.plan(EVAL_OFFSET + index * self.gbs, train=False).num_micro_batches if self.packer \
+            else default
+
     def num_train_microbatches(self, step: int, default: int) -> int:
         return self.packer.plan(step * self.gbs).num_micro_batches if self.packer else default
 

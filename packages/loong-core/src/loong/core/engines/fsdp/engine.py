@@ -243,9 +243,11 @@ class FSDPEngine(Engine):
         if iters <= 0:
             return None
         self.model.eval()
-        losses = [float(self._mean_over_dp_cp(self._run(self.task.eval_microbatches(i, self.num_microbatches),
-                                                        self.num_microbatches, backward=False)))
-                  for i in range(iters)]
+        losses = []
+        for i in range(iters):
+            nmb = self.task.num_eval_microbatches(i, self.num_microbatches)
+            losses.append(float(self._mean_over_dp_cp(self._run(self.task.eval_microbatches(i, nmb), nmb,
+                                                                backward=False))))
         self.model.train()
         return sum(losses) / len(losses)
 

@@ -290,11 +290,11 @@ class MegatronEngine(Engine):
             return None
         for m in self.model_chunks:
             m.eval()
-        losses = [
-            self._run(self._iterators(lambda i=i: self.task.eval_microbatches(i, self.num_microbatches)),
-                      forward_only=True)
-            for i in range(iters)
-        ]
+        losses = []
+        for i in range(iters):
+            nmb = self.task.num_eval_microbatches(i, self.num_microbatches)
+            losses.append(self._run(self._iterators(lambda i=i, nmb=nmb: self.task.eval_microbatches(i, nmb)),
+                                    forward_only=True, num_microbatches=nmb))
         for m in self.model_chunks:
             m.train()
         return sum(losses) / len(losses)
