@@ -3,13 +3,12 @@ trains the same steps as one process (the task's sharded loss, end to end throug
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from wan_testing import worker_env
+from wan_testing import train_losses, worker_env
 
 from loong.diffusion.cli import main
 
@@ -18,9 +17,6 @@ pytestmark = pytest.mark.slow
 COMMON = ["train.steps=4", "train.progress=false", "train.eval_interval=0", "train.save_final=false"]
 
 
-def _losses(run_dir: Path) -> list[float]:
-    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
-    return [r["train_loss"] for r in map(json.loads, lines) if "train_loss" in r]
 
 
 def test_ulysses_2_trains_as_one_process(tmp_path: Path) -> None:
@@ -33,6 +29,6 @@ def test_ulysses_2_trains_as_one_process(tmp_path: Path) -> None:
                           capture_output=True, text=True, timeout=240, env=env, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "cp=2 (ulysses 2 x ring 1)" in proc.stderr
-    one, cp2 = _losses(tmp_path / "one"), _losses(tmp_path / "cp2")
+    one, cp2 = train_losses(tmp_path / "one"), train_losses(tmp_path / "cp2")
     assert len(one) == len(cp2) == 4
     assert cp2 == pytest.approx(one, rel=1e-5)  # measured: equal to 2e-7 (fp32, gloo)

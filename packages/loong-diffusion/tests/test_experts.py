@@ -3,7 +3,6 @@ the per-step expert of ``model.expert=both``, its routing and gradients, and the
 
 from __future__ import annotations
 
-import json
 import re
 import subprocess
 import sys
@@ -12,7 +11,7 @@ from typing import Any
 
 import pytest
 import torch
-from wan_testing import make_task, worker_env
+from wan_testing import make_task, train_losses, worker_env
 
 from loong.core.errors import LoongError
 from loong.diffusion.cli import main
@@ -107,10 +106,7 @@ def test_both_experts_under_fsdp_over_two_ranks_train_as_one_process(tmp_path: P
                           capture_output=True, text=True, timeout=240, env=env, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
 
-    def losses(run: str) -> list[float]:
-        lines = (tmp_path / run / "metrics.jsonl").read_text().splitlines()
-        return [r["train_loss"] for r in map(json.loads, lines) if "train_loss" in r]
 
     experts = {step_expert(wan_preset("tiny_a14b"), _task().cfg.train, s) for s in range(4)}
     assert experts == {"high_noise", "low_noise"}  # the four steps use both experts
-    assert losses("dp2") == pytest.approx(losses("one"), rel=1e-5)
+    assert train_losses(tmp_path / "dp2") == pytest.approx(train_losses(tmp_path / "one"), rel=1e-5)

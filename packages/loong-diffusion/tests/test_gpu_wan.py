@@ -9,12 +9,11 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 import torch
-from wan_testing import perturb
+from wan_testing import perturb, train_losses
 
 from loong.core.accelerators import select_accelerator
 from loong.diffusion.cli import main
@@ -85,9 +84,6 @@ def test_a_pack_on_the_gpus_varlen_attention_equals_its_clips_alone() -> None:
             assert _rel(pred, want) <= 1e-4, _rel(pred, want)
 
 
-def _losses(run_dir: Path) -> list[float]:
-    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
-    return [r["train_loss"] for r in map(json.loads, lines) if "train_loss" in r]
 
 
 @pytest.mark.parametrize("extra", [(), ("train.compile=true", "model.recompute=selective")], ids=["eager", "compile"])
@@ -95,6 +91,6 @@ def test_the_default_run_trains_on_the_gpu(tmp_path: Path, extra: tuple[str, ...
     args = ["train", "train.steps=30", "train.progress=false", "train.eval_interval=0", "train.save_final=false",
             "train.precision=bf16", f"output_dir={tmp_path}", "run_name=gpu", *extra]
     assert main(args) == 0
-    losses = _losses(tmp_path / "gpu")
+    losses = train_losses(tmp_path / "gpu")
     assert len(losses) == 30 and all(map(lambda x: x == x and abs(x) < 1e3, losses))
     assert sum(losses[-5:]) / 5 < 0.7 * sum(losses[:5]) / 5, losses

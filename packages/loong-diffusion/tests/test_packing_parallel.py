@@ -6,13 +6,8 @@ clips' separate MSEs through a plain model."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
+from wan_testing import torchrun_report
 
 #: fp32, relative to the reference (gradients: to each tensor's largest entry; measured ~1e-7 and ~1e-6)
 TOLERANCE = 1e-5
@@ -20,14 +15,7 @@ TOLERANCE = 1e-5
 
 @pytest.fixture(scope="module")
 def pack_report(tmp_path_factory: pytest.TempPathFactory) -> dict:
-    out = tmp_path_factory.mktemp("wan_pack") / "report.json"
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "LOONG_SINGLE_PROCESS")}
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-                           str(Path(__file__).parent / "workers" / "wan_pack.py"), str(out)],
-                          capture_output=True, text=True, timeout=600, env=env)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(out.read_text())
+    return torchrun_report("wan_pack.py", tmp_path_factory.mktemp("wan_pack") / "report.json")
 
 
 @pytest.mark.slow

@@ -5,13 +5,8 @@ and for a loss on each rank's token shard."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
+from wan_testing import torchrun_report
 
 #: fp32; relative to the largest reference value of each tensor (measured: outputs equal or ~1e-7, gradients
 #: ~5e-7; gradients reach ~100, where one float32 step is 1.5e-5, so an absolute bound would measure their scale)
@@ -20,14 +15,7 @@ TOLERANCE = 1e-5
 
 @pytest.fixture(scope="module")
 def cp_report(tmp_path_factory: pytest.TempPathFactory) -> dict:
-    out = tmp_path_factory.mktemp("wan_cp") / "report.json"
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT", "LOONG_SINGLE_PROCESS")}
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-                           str(Path(__file__).parent / "workers" / "wan_cp.py"), str(out)],
-                          capture_output=True, text=True, timeout=600, env=env)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(out.read_text())
+    return torchrun_report("wan_cp.py", tmp_path_factory.mktemp("wan_cp") / "report.json")
 
 
 @pytest.mark.slow

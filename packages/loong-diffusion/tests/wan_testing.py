@@ -3,6 +3,8 @@ weights and inputs, the diffusers call and the error measure."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 
 #: diffusers' Wan cross-attention splits its context as "image tokens, then the last 512 text tokens" (a constant
@@ -90,3 +92,25 @@ def worker_env() -> dict[str, str]:
 
     drop = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT", "MASTER_ADDR", "LOONG_SINGLE_PROCESS")
     return {k: v for k, v in os.environ.items() if k not in drop}
+
+
+def torchrun_report(worker: str, out: Path, nproc: int = 2) -> dict:
+    """Run ``workers/<worker>`` on ``nproc`` gloo processes (``torch.distributed.run --standalone``), which writes
+    its JSON report to ``out``; return the report (the workers' stderr tail on failure)."""
+    import json
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+                           str(Path(__file__).parent / "workers" / worker), str(out)],
+                          capture_output=True, text=True, timeout=600, env=worker_env())
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(out.read_text())
+
+
+def train_losses(run_dir: Path) -> list[float]:
+    """The training losses a run logged, step by step (``metrics.jsonl``)."""
+    import json
+
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return [r["train_loss"] for r in map(json.loads, lines) if "train_loss" in r]

@@ -9,6 +9,10 @@ from loong.core.cli import Command, make_cli, run_train
 
 CONFIG_MODULE = "loong.diffusion.configs"
 CONFIG_NAME = "train"
+#: the local model folders that sample and preprocess take (nothing is downloaded)
+VAE_HELP = "a diffusers AutoencoderKLWan folder (or a diffusers Wan pipeline folder with vae/)"
+TEXT_ENCODER_HELP = ("a UMT5 encoder + tokenizer: a diffusers Wan pipeline folder (text_encoder/, tokenizer/) or one "
+                     "folder holding both")
 
 
 def _presets_epilog() -> str:
@@ -79,11 +83,8 @@ def _setup_sample(p: argparse.ArgumentParser) -> None:
     p.add_argument("--class", dest="label", type=int, default=None, metavar="N",
                    help="a synthetic run's condition: class N (default: every class, side by side)")
     p.add_argument("--vae", default=None, metavar="DIR",
-                   help="a diffusers AutoencoderKLWan folder (or a diffusers Wan pipeline folder with vae/): decode "
-                        "to pixels; without it the latents are shown as colours")
-    p.add_argument("--text-encoder", default=None, metavar="DIR",
-                   help="a UMT5 encoder + tokenizer: a diffusers Wan pipeline folder (text_encoder/, tokenizer/) or "
-                        "one folder holding both")
+                   help=VAE_HELP + ": decode to pixels; without it the latents are shown as colours")
+    p.add_argument("--text-encoder", default=None, metavar="DIR", help=TEXT_ENCODER_HELP)
     p.add_argument("--steps", type=int, default=20, help="denoising steps (default: %(default)s)")
     p.add_argument("--guidance", type=float, default=5.0,
                    help="classifier-free guidance scale; <= 1: none (default: %(default)s)")
@@ -131,11 +132,8 @@ def _setup_preprocess(p: argparse.ArgumentParser) -> None:
                                     '"caption": TEXT}, paths relative to the manifest')
     p.add_argument("--output", "-o", required=True, metavar="DIR",
                    help="folder of shards (for data.path); rerunning into it continues where it stopped")
-    p.add_argument("--vae", required=True, metavar="DIR",
-                   help="a diffusers AutoencoderKLWan folder (or a diffusers Wan pipeline folder with vae/)")
-    p.add_argument("--text-encoder", required=True, metavar="DIR",
-                   help="a UMT5 encoder + tokenizer: a diffusers Wan pipeline folder (text_encoder/, tokenizer/) or "
-                        "one folder holding both")
+    p.add_argument("--vae", required=True, metavar="DIR", help=VAE_HELP)
+    p.add_argument("--text-encoder", required=True, metavar="DIR", help=TEXT_ENCODER_HELP)
     p.add_argument("--buckets", default=DEFAULT_BUCKETS, metavar="FxHxW,...",
                    help="clip shapes in pixels, frames 4k+1 (1: images); each clip goes to the bucket of the nearest "
                         "aspect ratio it can fill without upscaling (default: %(default)s)")

@@ -8,6 +8,7 @@ the same ones.
 
 from __future__ import annotations
 
+import functools
 from typing import Literal
 
 import torch
@@ -56,6 +57,7 @@ def sample_sigma(generator: torch.Generator, sampling: Literal["uniform", "logit
     return shift_sigma(sigma, shift).clamp(lo, hi).float()
 
 
+@functools.lru_cache(maxsize=16)  # a run asks for the same few ranges at every step (A14B's per-step expert)
 def sigma_mass(sampling: Literal["uniform", "logit_normal"], shift: float, logit_mean: float, logit_std: float,
                sigma_range: tuple[float, float]) -> float:
     """The probability that :func:`sample_sigma` over the full range lands in ``sigma_range``."""
