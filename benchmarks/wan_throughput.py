@@ -61,14 +61,10 @@ def _sizes(text: list[str]) -> list[list[int]]:
     return [[int(x) for x in s.split("x")] for s in text]
 
 
-def _tokens(size: list[int], patch: tuple[int, int, int]) -> int:
-    return (size[0] // patch[0]) * (size[1] // patch[1]) * (size[2] // patch[2])
-
-
-def _step_flops(wan: object, clip_tokens: list[int]) -> float:
-    """Training FLOPs of one step over clips of ``clip_tokens`` (the module docstring's count)."""
+def _step_flops(wan: object, tokens: list[int]) -> float:
+    """Training FLOPs of one step over clips of ``tokens`` video tokens each (the module docstring's count)."""
     n = wan.num_parameters(active=True)  # type: ignore[attr-defined]
-    return 6.0 * n * sum(clip_tokens) + 12.0 * wan.num_layers * wan.dim * sum(t * t for t in clip_tokens)  # type: ignore[attr-defined]
+    return 6.0 * n * sum(tokens) + 12.0 * wan.num_layers * wan.dim * sum(t * t for t in tokens)  # type: ignore[attr-defined]
 
 
 def _diffusers_worker(args: argparse.Namespace) -> None:
@@ -78,6 +74,7 @@ def _diffusers_worker(args: argparse.Namespace) -> None:
 
     from loong.diffusion.models.wan import config_to_diffusers
     from loong.diffusion.models.wan.config import wan_preset
+    from loong.diffusion.task import clip_tokens
 
     wan = wan_preset(args.preset)
     gpu = torch.cuda.is_available()
@@ -113,7 +110,7 @@ def _diffusers_worker(args: argparse.Namespace) -> None:
         losses.append(loss.item())  # the step's device sync
         times.append(time.perf_counter() - t0)
     step_s = statistics.median(times[args.warmup:])
-    tokens = _tokens([args.frames, args.height, args.width], wan.patch_size)
+    tokens = clip_tokens([args.frames, args.height, args.width], wan.patch_size)
     print(json.dumps({"s_per_step": round(step_s, 4), "tokens_per_s": round(tokens / step_s, 1),
                       "mfu": round(_step_flops(wan, [tokens]) / step_s / PEAK_BF16, 4) if gpu else None,
                       "peak_memory_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2) if gpu else None,
@@ -128,6 +125,7 @@ def _loong_worker(args: argparse.Namespace) -> None:
     from loong.core.run import run
     from loong.diffusion.models.wan.config import wan_preset
     from loong.diffusion.schema import DiffusionRunConfig
+    from loong.diffusion.task import clip_tokens
 
     name = args.loong_worker
     recompute, compile_ = LOONG_ROWS[name]
@@ -163,12 +161,12 @@ def _loong_worker(args: argparse.Namespace) -> None:
                               height=args.height, width=args.width, text_len=args.text_len, text_dim=wan.text_dim,
                               seed=0, sizes=[tuple(s) for s in _sizes(args.packed_sizes)])
         first = args.warmup
-        clip_tokens = [_tokens(list(shapes.size_of(i)), wan.patch_size)
+        tokens_of_clips = [clip_tokens(shapes.size_of(i), wan.patch_size)
                        for i in range(first * gbs, args.steps * gbs)]
-        per_step = sum(clip_tokens) / (args.steps - first)
-        flops = _step_flops(wan, clip_tokens) / (args.steps - first)
+        per_step = sum(tokens_of_clips) / (args.steps - first)
+        flops = _step_flops(wan, tokens_of_clips) / (args.steps - first)
     else:
-        per_step = _tokens([args.frames, args.height, args.width], wan.patch_size)
+        per_step = clip_tokens([args.frames, args.height, args.width], wan.patch_size)
         flops = _step_flops(wan, [per_step])
     mem = max(r["peak_memory_gib"] for r in recs) if "peak_memory_gib" in recs[0] else None
     print(json.dumps({"s_per_step": round(step_s, 4), "tokens_per_s": round(per_step / step_s, 1),

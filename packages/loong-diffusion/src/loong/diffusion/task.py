@@ -47,13 +47,6 @@ def clip_tokens(shape: Sequence[int], patch_size: Sequence[int]) -> int:
     return math.prod(size // patch for size, patch in zip(shape, patch_size, strict=True))
 
 
-def video_tokens(cfg: Any, wan: WanConfig) -> int:
-    """Tokens of one synthetic clip after patching."""
-    d = cfg.data
-    pt, ph, pw = wan.patch_size
-    return (d.frames // pt) * (d.height // ph) * (d.width // pw)
-
-
 def compute_dtype(wan: WanTransformer) -> torch.dtype:
     """The dtype the model computes in now (under FSDP2 mixed precision, its unsharded bf16 parameters')."""
     return wan.patch_embed.weight.dtype
@@ -315,4 +308,4 @@ def to_tokens(target: torch.Tensor, wan: WanConfig) -> torch.Tensor:
     return to_patches(target, wan.patch_size, channels_last=True)
 
 
-__all__ = ["EVAL_OFFSET", "ShardPrediction", "WanTask", "to_tokens", "video_tokens"]
+__all__ = ["EVAL_OFFSET", "ShardPrediction", "WanTask", "clip_tokens", "to_tokens"]
