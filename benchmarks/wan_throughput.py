@@ -12,7 +12,8 @@ in its own process (clean memory statistics). Rows:
 - ``loong_<recompute>``: ``loong-diffusion train`` through the real walk (``loong.core.run.run``: the fsdp engine,
   FSDP2 over one rank, bf16 compute with fp32 master weights, Loong's own Wan modules) on its synthetic moving-shapes
   latents of the same shape, with ``model.recompute`` = none, selective (each block's MLP) or full;
-  ``loong_selective_compile`` adds ``train.compile=true``;
+  ``loong_selective_compile`` / ``loong_none_compile`` add ``train.compile=true`` (inductor then fuses the norms and
+  RoPE instead of loong-kernels);
 - ``loong_packed``: mixed resolutions and durations packed into micro-batches of at most ``--pack-tokens`` video
   tokens (``data.sizes``, ``data.pack_tokens``: varlen attention, each clip its own RoPE grid and timestep),
   ``--packed-gbs`` clips a step.
@@ -51,10 +52,12 @@ ROWS: dict[str, str] = {
     "loong_selective": "Loong, selective recompute (MLP)",
     "loong_full": "Loong, full recompute",
     "loong_selective_compile": "Loong, selective recompute + compile",
+    "loong_none_compile": "Loong, no recompute + compile",
     "loong_packed": "Loong, packed mixed resolutions",
 }
 LOONG_ROWS = {"loong_none": ("none", False), "loong_selective": ("selective", False), "loong_full": ("full", False),
-              "loong_selective_compile": ("selective", True), "loong_packed": ("selective", False)}
+              "loong_selective_compile": ("selective", True), "loong_none_compile": ("none", True),
+              "loong_packed": ("selective", False)}
 
 
 def _sizes(text: list[str]) -> list[list[int]]:

@@ -249,7 +249,9 @@ class WanTask(FSDPTask):
         return PackedPrediction(wan) if self.cfg.data.pack_tokens else ShardPrediction(wan)
 
     def _transformer(self) -> WanTransformer:
-        return WanTransformer(self.wan, self.layout.cp_groups, self.accelerator.capabilities())
+        # under train.compile inductor fuses the norms and RoPE; the Triton kernels would break each block's graph
+        return WanTransformer(self.wan, self.layout.cp_groups, self.accelerator.capabilities(),
+                              fused_kernels=not self.cfg.train.compile)
 
     def init_weights(self, model: nn.Module) -> None:
         path = self.cfg.model.init_from_diffusers

@@ -51,16 +51,22 @@ def to_patches(x: torch.Tensor, patch_size: tuple[int, int, int], channels_last:
 
 class WanTransformer(nn.Module):
     """Wan's diffusion transformer for one ``config``; ``groups``: context parallelism; ``capabilities``: the
-    accelerator's, handed to ``cp_attention`` (its kernel choice) and to the q/k norms (``triton``: loong-kernels'
-    fused RMSNorm)."""
+    accelerator's, handed to ``cp_attention`` (its kernel choice) and to the q/k norms and RoPE (``triton``:
+    loong-kernels' fused RMSNorm and rotary kernels, unless ``fused_kernels=False``).
 
-    def __init__(self, config: WanConfig, groups: CPGroups | None = None, capabilities: Collection[str] = ()) -> None:
+    The training task turns ``fused_kernels`` off under ``train.compile``: inductor fuses those elementwise ops itself,
+    and dynamo cannot trace into the Triton launches, so each block's graph would break in the middle (on torch 2.11
+    such a break inside a block also made the compiled backward return a wrongly shaped gradient at the Wan 1.3B
+    shape, ``benchmarks/results/wan_throughput_h200_20261201.json``)."""
+
+    def __init__(self, config: WanConfig, groups: CPGroups | None = None, capabilities: Collection[str] = (),
+                 fused_kernels: bool = True) -> None:
         super().__init__()
         self.config = config
         self.groups = groups or CPGroups()
         self.capabilities = frozenset(capabilities)
         # q/k RMSNorm and RoPE through loong-kernels where the accelerator has Triton ("auto": the kernels on CUDA)
-        kernel_backend = "auto" if "triton" in self.capabilities else None
+        kernel_backend = "auto" if fused_kernels and "triton" in self.capabilities else None
         d = config.dim
         # a Conv3d-shaped weight (diffusers' layout), applied as one matrix product to this rank's patches only
         self.patch_embed = nn.Conv3d(config.in_channels, d, kernel_size=config.patch_size, stride=config.patch_size)
