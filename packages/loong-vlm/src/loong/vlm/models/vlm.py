@@ -1,0 +1,150 @@
+"""A VLM as one megatron pipeline chunk: the vision **encoder** and **projector** (plain modules, on the chunk with
+the embedding) in front of the **foundation** (loong-llm's megatron GPT as :class:`~loong.vlm.models.foundation.
+VLMFoundation`).
+
+The chunk's children are named ``encoder``, ``projector`` and ``foundation``, so its checkpoint keys (megatron's
+sharded keys) are ``encoder.*``, ``projector.*`` (the vision families' native keys) and ``foundation.*`` (loong-llm's
+keys), the names the HF mapping composes. Images and videos go through the tower separately (their own grids), and
+their embeddings are interleaved in token order: the ``k``-th placeholder token of the micro-batch (row-major over
+``[b, s]``) takes the ``k``-th row of its modality's embeddings, as transformers' ``masked_scatter`` of the image
+and then the video features does.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from megatron.core.transformer.enums import ModelType
+from megatron.core.transformer.module import MegatronModule
+from torch import nn
+
+from loong.core.errors import LoongError
+from loong.vlm.models.foundation import VLMFoundation
+from loong.vlm.models.vision.common import ProjectorOutput
+
+Tensor = torch.Tensor
+IMAGE, VIDEO = 1, 2  # mm_token_type_ids of image and video placeholder tokens
+
+
+def interleave(types: Tensor, image: Tensor | None, video: Tensor | None) -> Tensor:
+    """Rows of ``image`` and ``video`` embeddings in the token order given by ``types`` (the placeholder tokens'
+    modality, 1 image / 2 video, in row-major order)."""
+    if video is None or video.shape[0] == 0:
+        assert image is not None
+        return image
+    if image is None or image.shape[0] == 0:
+        return video
+    out = image.new_empty(types.numel(), image.shape[1])
+    out[types == IMAGE] = image
+    out[types == VIDEO] = video.to(image.dtype)
+    return out
+
+
+class VisionLanguageModel(MegatronModule):
+    """``encoder`` + ``projector`` (None on chunks without the embedding) + ``foundation``.
+
+    ``forward`` takes the micro-batch keys of :mod:`loong.vlm.data.dataset` (``tokens``, ``position_ids``,
+    ``document_ids``, ``labels``, ``mm_token_type_ids``, the pixel tensors and grids) and returns the foundation's
+    per-token losses ``[b, s]`` (or logits without labels). ``decoupled=True``: the chunk holds no tower and takes
+    the visual embeddings ready-made (``visual_embeds`` / ``deepstack_embeds``), computed outside the pipeline.
+    """
+
+    def __init__(self, config: Any, foundation: VLMFoundation, encoder: nn.Module | None = None,
+                 projector: nn.Module | None = None) -> None:
+        super().__init__(config=config)
+        self.model_type = ModelType.encoder_or_decoder
+        if (encoder is None) != (projector is None):
+            raise LoongError("a VLM chunk holds both the encoder and the projector or neither")
+        self.encoder = encoder
+        self.projector = projector
+        self.foundation = foundation
+
+    # megatron's schedules and finalize_model_grads ask the innermost module for these (the foundation's)
+    @property
+    def pre_process(self) -> bool:
+        return self.foundation.pre_process
+
+    @property
+    def post_process(self) -> bool:
+        return self.foundation.post_process
+
+    @property
+    def share_embeddings_and_output_weights(self) -> bool:
+        return self.foundation.share_embeddings_and_output_weights
+
+    def shared_embedding_or_output_weight(self) -> Tensor:
+        """The tied embedding / output weight (megatron all-reduces its gradient between the first and last
+        pipeline stages)."""
+        return self.foundation.shared_embedding_or_output_weight()
+
+    def set_input_tensor(self, input_tensor: Any) -> None:
+        """Pipeline stages after the first take the previous stage's hidden states (megatron's schedules)."""
+        self.foundation.set_input_tensor(input_tensor)
+
+    def vision_dtype(self) -> torch.dtype:
+        """The dtype the tower computes in (its parameters', bf16 under megatron's Float16Module)."""
+        assert self.encoder is not None
+        return next(self.encoder.parameters()).dtype
+
+    def embed_media(self, pixel_values: Tensor | None, grid_thw: Tensor | None) -> ProjectorOutput | None:
+        """The projected features of one modality's media (None when there are none)."""
+        if pixel_values is None or pixel_values.shape[0] == 0:
+            return None
+        assert self.encoder is not None and self.projector is not None
+        pixels = pixel_values.to(self.vision_dtype())
+        return self.projector(self.encoder(pixels, grid_thw), grid_thw)
+
+    def visual_inputs(self, mm_token_type_ids: Tensor, pixel_values: Tensor | None = None,
+                      image_grid_thw: Tensor | None = None, pixel_values_videos: Tensor | None = None,
+                      video_grid_thw: Tensor | None = None) -> tuple[Tensor | None, list[Tensor]]:
+        """``(visual_embeds [n, d], deepstack_embeds)`` for the placeholder tokens of ``mm_token_type_ids``.
+
+        Qwen processors give images and videos as separate tensors; InternVL's ``pixel_values`` already hold the
+        image tiles and video frames in token order (``pixel_values_videos`` None).
+        """
+        types = mm_token_type_ids[mm_token_type_ids > 0]
+        if types.numel() == 0:
+            return None, []
+        if pixel_values_videos is None:  # one tensor in token order (InternVL), or images only
+            out = self.embed_media(pixel_values, image_grid_thw)
+            if out is None:
+                raise LoongError(f"the micro-batch has {types.numel()} media placeholder tokens but no pixels")
+            return out.embeds, list(out.deepstack)
+        images = self.embed_media(pixel_values, image_grid_thw)
+        videos = self.embed_media(pixel_values_videos, video_grid_thw)
+        for name, out, code in (("image", images, IMAGE), ("video", videos, VIDEO)):
+            want = int((types == code).sum())
+            got = 0 if out is None else out.embeds.shape[0]
+            if got != want:
+                raise LoongError(f"the micro-batch has {want} {name} placeholder tokens but its pixels give {got} "
+                                 f"{name} embeddings (processor and encoder geometry disagree)")
+        embeds = interleave(types, images.embeds if images else None, videos.embeds if videos else None)
+        depth = max(len(images.deepstack) if images else 0, len(videos.deepstack) if videos else 0)
+        deepstack = [interleave(types, images.deepstack[i] if images else None,
+                                videos.deepstack[i] if videos else None) for i in range(depth)]
+        return embeds, deepstack
+
+    def forward(self, tokens: Tensor, position_ids: Tensor, document_ids: Tensor | None = None,
+                labels: Tensor | None = None, *, mm_token_type_ids: Tensor | None = None,
+                pixel_values: Tensor | None = None, image_grid_thw: Tensor | None = None,
+                pixel_values_videos: Tensor | None = None, video_grid_thw: Tensor | None = None,
+                visual_embeds: Tensor | None = None, deepstack_embeds: list[Tensor] | None = None) -> Tensor:
+        """Per-token losses ``[b, s]`` given ``labels``, else logits. Media keys are read on the first stage only."""
+        deepstack: list[Tensor] = list(deepstack_embeds or ())
+        visual_mask = None
+        if self.foundation.pre_process and mm_token_type_ids is not None:
+            if visual_embeds is None and self.encoder is not None:
+                visual_embeds, deepstack = self.visual_inputs(mm_token_type_ids, pixel_values, image_grid_thw,
+                                                              pixel_values_videos, video_grid_thw)
+            if visual_embeds is not None:
+                visual_mask = mm_token_type_ids > 0
+                dtype = self.foundation.embedding.word_embeddings.weight.dtype
+                visual_embeds = visual_embeds.to(dtype)
+                deepstack = [d.to(dtype) for d in deepstack]
+        return self.foundation(tokens, position_ids, document_ids, labels=labels,
+                               visual_embeds=visual_embeds, visual_mask=visual_mask,
+                               deepstack_embeds=deepstack or None)
+
+
+__all__ = ["IMAGE", "VIDEO", "VisionLanguageModel", "interleave"]

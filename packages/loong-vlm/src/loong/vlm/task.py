@@ -1,0 +1,320 @@
+"""The ``vlm.sft`` task: a vision-language model trained on conversations with images and videos, on the megatron
+engine (the foundation is loong-llm's megatron GPT; the vision tower runs on the chunk with the embedding).
+
+Data: :mod:`loong.vlm.data` reads the JSONL (or writes the synthetic shapes set of the embedded default), plans
+every sample from its media headers, packs samples into rows of ``train.seq_length`` and decodes the media in
+DataLoader workers. The loss is the per-token mean over the assistant tokens of the whole global batch (megatron-core's
+``calculate_per_token_loss``, as loong-llm's SFT): every learned token weighs the same wherever it falls.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterator
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from loong.core.engines.megatron.task import MegatronTask
+from loong.core.errors import LoongError
+from loong.core.registry import TASKS
+from loong.llm.data.text import GlobalBatchSampler
+from loong.llm.models.config import check_model_layout, training_flops_per_token
+from loong.llm.sft.task import SFTTask
+from loong.vlm.models.families import vision_family
+from loong.vlm.schema import VLMRunConfig
+
+#: batch keys moved to the device and handed to the model besides tokens / positions / document ids / labels
+MEDIA_KEYS = ("mm_token_type_ids", "pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw")
+
+
+def check_vlm_config(cfg: VLMRunConfig) -> None:
+    """What the three components must agree on, before anything heavy starts."""
+    enc, proj, fnd, m = cfg.encoder, cfg.projector, cfg.foundation, cfg.model
+    vision_family(enc.family, proj.family)
+    if proj.out_hidden_size != fnd.hidden_size:
+        raise LoongError(f"projector.out_hidden_size={proj.out_hidden_size} must equal foundation.hidden_size="
+                         f"{fnd.hidden_size} (the projector writes the foundation's embeddings)")
+    if m.mrope_section is not None:
+        from loong.vlm.models.foundation import check_mrope
+
+        check_mrope(m.mrope_section, m.mrope_interleaved, fnd.kv_channels, path="model")
+        if fnd.is_mla:
+            raise LoongError(f"model.mrope_section={m.mrope_section}: foundation.family={fnd.family} uses "
+                             "multi-latent attention with its own rotary embedding; set model.mrope_section=null")
+    elif cfg.data.positions == "mrope":
+        raise LoongError("data.positions=mrope needs model.mrope_section (the foundation's M-RoPE layout)")
+    if enc.deepstack_visual_indexes and fnd.recompute == "full":
+        raise LoongError("encoder.deepstack_visual_indexes (DeepStack) with foundation.recompute=full is not "
+                         "supported; use foundation.recompute=selective or none")
+    p = cfg.parallel
+    check_model_layout(fnd, p.tp, p.pp * (p.vpp or 1), cfg.train.seq_length, ep=p.ep, etp=p.etp)
+    if fnd.vocab_size % p.tp:
+        raise LoongError(f"parallel.tp={p.tp} does not divide foundation.vocab_size={fnd.vocab_size}")
+    if p.cp > 1:
+        raise LoongError(f"parallel.cp={p.cp}: the VLM task runs multimodal batches at cp=1 for now")
+    if enc.parallel.tp != 1:
+        raise LoongError(f"encoder.parallel.tp={enc.parallel.tp}: the vision encoder runs unsharded (tp=1) on "
+                         "each rank of the foundation's tensor-parallel group for now")
+    if enc.decoupled:
+        raise LoongError("encoder.decoupled=true (the encoder outside the pipeline) is not available yet; "
+                         "the encoder runs on the first pipeline stage")
+    if cfg.data.path is not None and not Path(cfg.data.path).is_file():
+        raise LoongError(f"data.path: {cfg.data.path} is not a file")
+    if cfg.data.processor is not None and not Path(cfg.data.processor).is_dir():
+        raise LoongError(f"data.processor: {cfg.data.processor} is not a folder")
+    if cfg.data.balance.enabled and p.pp > 1:
+        raise LoongError("data.balance.enabled=true plans micro-batches of varying shape, which the pipeline "
+                         f"schedule does not take (parallel.pp={p.pp}); use pp=1")
+
+
+def _in_component(component: str, param: torch.nn.Parameter, name: str) -> bool:
+    """Whether parameter ``name`` (as named under the DDP / Float16Module wrappers) belongs to ``component``."""
+    while name.startswith("module."):
+        name = name[len("module."):]
+    return name.split(".", 1)[0] == component
+
+
+@TASKS.register("vlm.sft")
+class VLMTask(MegatronTask):
+    """Supervised training of a VLM (encoder + projector + foundation) on image / video conversations."""
+
+    engine = "megatron"
+
+    @classmethod
+    def check_config(cls, cfg: Any) -> None:
+        check_vlm_config(cfg)
+
+    # --- model -----------------------------------------------------------------------------
+    def model_config(self, dtype: torch.dtype) -> Any:
+        from loong.llm.models.build import transformer_config
+
+        config = transformer_config(self.cfg.foundation, self.cfg.parallel, dtype,
+                                    self.accelerator.megatron_config_overrides())
+        config.calculate_per_token_loss = True  # gradients / all assistant tokens of the global batch
+        return config
+
+    def build_model(self, config: Any, pre_process: bool, post_process: bool,
+                    vp_stage: int | None) -> torch.nn.Module:
+        from loong.vlm.models.foundation import build_foundation
+        from loong.vlm.models.vlm import VisionLanguageModel
+
+        c, m = self.cfg, self.cfg.model
+        deepstack = len(c.encoder.deepstack_visual_indexes) if c.projector.family == "qwen3_merger" else 0
+        foundation = build_foundation(c.foundation, config, self.accelerator.capabilities(), pre_process,
+                                      post_process, self.layout.pg_collection, vp_stage, m.mrope_section,
+                                      m.mrope_interleaved, deepstack_layers=deepstack)
+        encoder = projector = None
+        if pre_process:
+            from loong.core.attention import choose_varlen_impl
+
+            family = vision_family(c.encoder.family, c.projector.family).load()
+            # the same initial weights on every rank: the tower is replicated over the foundation's TP group
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(c.train.seed)
+                encoder = family.build_encoder(c.encoder)
+                projector = family.build_projector(c.projector, c.encoder)
+            if hasattr(encoder, "attn_impl"):
+                encoder.attn_impl = choose_varlen_impl(self.accelerator.capabilities())
+        model = VisionLanguageModel(config, foundation, encoder, projector)
+        self._freeze(model)
+        return model
+
+    def _freeze(self, model: torch.nn.Module) -> None:
+        """``model.freeze``: those components' parameters take no gradient (megatron's optimiser then keeps no
+        state for them)."""
+        for name in self.cfg.model.freeze:
+            part = getattr(model, name, None)
+            if part is not None:
+                part.requires_grad_(False)
+
+    def optimizer_overrides(self, lr: float, min_lr: float) -> dict[Any, Any]:
+        """``model.lr_mult``: each named component's parameters in a group whose peak and minimum learning rates
+        are ``lr`` / ``min_lr`` times its multiplier (megatron's scheduler anneals every group on the same
+        schedule between its own ``max_lr`` and ``min_lr``)."""
+        from megatron.core.optimizer import ParamKey, ParamWithNamePredicate
+
+        out: dict[Any, Any] = {}
+        for name, mult in sorted(self.cfg.model.lr_mult.items()):
+            if float(mult) == 1.0:
+                continue
+            key = ParamKey(with_name_predicate=ParamWithNamePredicate(
+                name=f"vlm_{name}", fn=partial(_in_component, name)))
+            out[key] = {"max_lr": lr * float(mult), "min_lr": min_lr * float(mult)}
+        return out
+
+    # --- data ------------------------------------------------------------------------------
+    def _cache_dir(self) -> Path:
+        return Path(self.cfg.output_dir) / ".cache"
+
+    def _processor(self) -> Any:
+        from loong.vlm.data.processors import ensure_tiny_processor, load_processor, tiny_processor_shape
+
+        d = self.cfg.data
+        folder = d.processor
+        if folder is None:
+            family, shape = tiny_processor_shape(self.cfg.encoder, self.cfg.projector)
+            folder = ensure_tiny_processor(self._cache_dir(), family, **shape)
+        return load_processor(folder, chat_template=d.chat_template, min_pixels=d.min_pixels,
+                              max_pixels=d.max_pixels, video_min_pixels=d.video_min_pixels,
+                              video_max_pixels=d.video_max_pixels, max_tiles=d.max_tiles, fps=d.fps,
+                              max_frames=d.max_frames)
+
+    def setup_data(self) -> None:
+        from loong.vlm.data.dataset import prepare_vision_data
+        from loong.vlm.data.rope_index import scheme_for
+        from loong.vlm.data.synthetic import ensure_synthetic
+
+        c, d, t = self.cfg, self.cfg.data, self.cfg.train
+        self.processor = self._processor()
+        if self.processor.vocab_size > c.foundation.vocab_size:
+            raise LoongError(f"the processor's tokenizer has {self.processor.vocab_size} tokens but "
+                             f"foundation.vocab_size is {c.foundation.vocab_size}")
+        positions = d.positions if c.model.mrope_section is not None else "1d"
+        self.scheme = scheme_for(self.processor.family, self.processor.merge_size if self.processor.is_qwen else 1,
+                                 positions, c.encoder.tokens_per_second)
+        path = Path(d.path) if d.path is not None else ensure_synthetic(self._cache_dir(), d.synthetic_size,
+                                                                        d.synthetic_seed)
+        self.data_path = path
+        self.data = prepare_vision_data(path, self.processor, self.scheme, t.seq_length, packing=d.packing,
+                                        overlong=d.overlong, on_error=d.on_error, chat_format=d.chat_format,
+                                        media_root=d.media_root, valid_fraction=d.valid_fraction)
+        self.sampler = GlobalBatchSampler(len(self.data.train), t.seed)
+        self.device = self.accelerator.device(self.layout.local_rank)
+        self._train_iter: Iterator[dict] | None = None
+        self._train_next: int | None = None
+        self.skipped_samples = 0
+        self.balanced = None
+        if d.balance.enabled:
+            from loong.vlm.data.balance import BalancedVisionSamples
+
+            self.balanced = BalancedVisionSamples(c, self.data.train, self.sampler, self.layout.dp,
+                                                  self.layout.pg_collection.dp)
+        if self.layout.is_logging_rank:
+            print(self.data.summary(path), file=sys.stderr)
+
+    def _rows(self, step: int, nmb: int, n: int, shuffled: bool) -> list[list[int]]:
+        """This rank's micro-batches (row indices) of global batch ``step`` over ``n`` rows."""
+        gbs, mbs = self.cfg.train.global_batch_size, self.cfg.train.micro_batch_size
+        pick = (lambda g: self.sampler.index(g)) if shuffled else (lambda g: g % n)
+        rows = [pick(g) for g in range(step * gbs, (step + 1) * gbs)]
+        first = self.layout.dp_rank * nmb * mbs
+        return [rows[first + k * mbs: first + (k + 1) * mbs] for k in range(nmb)]
+
+    def _scale(self, packed: Any, step: int, n: int, shuffled: bool) -> float:
+        """The loss scale making the engine's mean over micro-batches and DP ranks the global batch's per-token
+        mean (as loong-llm's SFT)."""
+        gbs = self.cfg.train.global_batch_size
+        pick = (lambda g: self.sampler.index(g)) if shuffled else (lambda g: g % n)
+        tokens = int(sum(packed.loss_tokens[pick(g)] for g in range(step * gbs, (step + 1) * gbs)))
+        return float(self.num_microbatches_per_rank() * self.layout.dp / max(1, tokens))
+
+    def num_microbatches_per_rank(self) -> int:
+        from loong.core.engines.base import num_microbatches
+
+        return num_microbatches(self.cfg, self.layout.dp)
+
+    def _loader(self, dataset: Any, first_step: int, nmb: int, shuffled: bool, workers: int) -> Iterator[dict]:
+        from loong.vlm.data.dataset import vision_loader
+
+        n = len(dataset)
+
+        def schedule() -> Iterator[list[int]]:
+            step = first_step
+            while True:
+                yield from self._rows(step, nmb, n, shuffled)
+                step += 1
+
+        return iter(vision_loader(dataset, schedule(), num_workers=workers))
+
+    def _to_device(self, batch: dict, scale: float) -> dict:
+        self.skipped_samples += int(batch.pop("skipped_samples", 0))
+        out = {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
+        out["loss_scale"] = torch.tensor(scale, dtype=torch.float32, device=self.device)
+        return out
+
+    def train_microbatches(self, step: int, num_microbatches: int) -> Iterator[dict]:
+        train, workers = self.data.train, self.cfg.data.num_workers
+        if self._train_iter is None or self._train_next != step:  # first step, or a resumed / skipped one
+            if self.balanced is not None:
+                self._train_iter = self.balanced.loader(step, self.layout.dp_rank, workers)
+            else:
+                self._train_iter = self._loader(train, step, num_microbatches, True, workers)
+        self._train_next = step + 1
+        if self.balanced is not None:  # the per-token mean over the same assistant tokens, as unbalanced
+            scale = num_microbatches * self.layout.dp / max(1, self.balanced.loss_tokens(step))
+        else:
+            scale = self._scale(train.packed, step, len(train), True)
+        batches = [self._to_device(next(self._train_iter), scale) for _ in range(num_microbatches)]
+        return iter(batches)
+
+    def eval_microbatches(self, index: int, num_microbatches: int) -> Iterator[dict]:
+        data = self.data.valid if len(self.data.valid) else self.data.train
+        loader = self._loader(data, index, num_microbatches, False, 0)
+        scale = self._scale(data.packed, index, len(data), False)
+        return iter([self._to_device(next(loader), scale) for _ in range(num_microbatches)])
+
+    # --- loss ------------------------------------------------------------------------------
+    def forward_step(self, data_iterator: Iterator[dict], model: torch.nn.Module) -> tuple[Any, Any]:
+        batch = next(data_iterator)
+        media = {k: batch[k] for k in MEDIA_KEYS if k in batch}
+        output = model(batch["tokens"], batch["position_ids"], batch["document_ids"], labels=batch["labels"],
+                       **media)
+        return output, partial(SFTTask._loss, batch["loss_mask"], loss_scale=batch["loss_scale"])
+
+    # --- data-parallel balancing (core hooks; loong.vlm.data.balance) -------------------------------------
+    def num_train_microbatches(self, step: int, default: int) -> int:
+        return self.balanced.plan(step)[0].num_micro_batches if self.balanced is not None else default
+
+    def measures_compute_time(self) -> bool:
+        return self.balanced is not None and self.balanced.balancer.measures_time
+
+    def after_train_step(self, step: int, extra: dict[str, float]) -> dict[str, float]:
+        metrics = {"skipped_samples": float(self.skipped_samples)} if self.skipped_samples else {}
+        if self.balanced is None:
+            return metrics
+        metrics.update(self.balanced.step_metrics(step))
+        if "compute_s" in extra:
+            fitted = self.balanced.balancer.observe(self.balanced.plan(step)[0], extra["compute_s"], self.device)
+            if fitted and self.layout.is_logging_rank:
+                terms = " + ".join(f"{fitted[f'balance_cost_{k}']:.3g}*{t}" for k, t in
+                                   (("a", "len^2"), ("b", "len"), ("enc_a", "enc^2"), ("enc_b", "enc"))
+                                   if f"balance_cost_{k}" in fitted)
+                print(f"data.balance: fitted cost = {terms} + {fitted['balance_cost_c']:.3g} seconds",
+                      file=sys.stderr)
+            metrics.update(fitted)
+        return metrics
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"balance": self.balanced.balancer.state_dict()} if self.balanced is not None else {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if self.balanced is not None:
+            self.balanced.balancer.load_state_dict(state.get("balance", {}))
+
+    # --- accounting and artefacts ----------------------------------------------------------
+    def tokens_per_step(self) -> int:
+        return self.cfg.train.global_batch_size * self.cfg.train.seq_length
+
+    def flops_per_token(self) -> float:
+        """The foundation's training FLOPs per token (:func:`~loong.llm.models.config.training_flops_per_token`) plus
+        the vision tower's, averaged over the training rows: 3 × its forward FLOPs (the family's ``encoder_flops``)
+        over every row's media, divided by the rows' token slots."""
+        base = training_flops_per_token(self.cfg.foundation, self.cfg.train.seq_length)
+        family = vision_family(self.cfg.encoder.family).load()
+        samples = self.data.train.packed.samples
+        total = 0.0
+        for kind in ("image", "video"):
+            grids = [g for s in samples for g in s.grids(kind).tolist()]
+            if grids:
+                if self.cfg.encoder.family == "intern_vit":
+                    total += sum(family.encoder_flops(self.cfg.encoder, [g[0] for g in grids]))
+                else:
+                    total += sum(family.encoder_flops(self.cfg.encoder, grids))
+        slots = max(1, len(self.data.train) * self.cfg.train.seq_length)
+        return base + 3.0 * total / slots
+
+    def save_artifacts(self, checkpoint_dir: Path) -> None:
+        self.processor.hf.save_pretrained(str(checkpoint_dir / "processor"))
