@@ -9,6 +9,8 @@ and takes the MSE against the same shard of the target, and the engine averages 
 
 from __future__ import annotations
 
+import sys
+
 import functools
 import math
 import statistics
@@ -239,6 +241,13 @@ class WanTask(FSDPTask):
 
     # --- model and loss ----------------------------------------------------------------------
     def build_model(self) -> nn.Module:
+        t = self.cfg.train
+        batch_one = t.micro_batch_size == 1 or bool(self.cfg.data.pack_tokens)
+        if t.compile and batch_one and self.accelerator.name == "cuda" and self.layout.is_logging_rank:
+            print("warning: train.compile=true with one clip a micro-batch: on torch 2.11 / an H200, inductor's "
+                  "backward of a compiled Wan block at the 1.3B shape gave a modulation-table gradient 10% off fp32 "
+                  "(eager bf16: 0.4%); see docs/performance.md (Wan) and benchmarks/wan_compile_check.py",
+                  file=sys.stderr)
         self.trained = self._trained_module()  # kept for the previews: the engine shards this very module in place
         return self.trained
 
