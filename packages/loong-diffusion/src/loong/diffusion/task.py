@@ -9,11 +9,10 @@ and takes the MSE against the same shard of the target, and the engine averages 
 
 from __future__ import annotations
 
-import sys
-
 import functools
 import math
 import statistics
+import sys
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
