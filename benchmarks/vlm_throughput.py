@@ -457,6 +457,94 @@ def _hf_liger(shape: Shape, args: argparse.Namespace, tmp: Path) -> dict:
     return _hf_row(shape, args, liger=True)
 
 
+# ---------------------------------------------------------------------------------------------------- Loong rows
+
+#: loong-vlm's preset of each benchmark shape (the tiny CPU shapes map to loong-vlm's own tiny presets)
+LOONG_PRESETS = {"qwen2_5_vl_3b": "qwen2_5_vl_3b", "qwen3_vl_2b": "qwen3_vl_2b", "qwen2_5_vl_tiny": "tiny",
+                 "qwen3_vl_tiny": "tiny_qwen3_vl"}
+_WORDS = ("red", "circle", "blue", "square", "a", "the", "and", "of", "picture", "shape", "left", "right",
+          "green", "triangle", "yellow", "small", "large", "above", "below", "image")
+
+
+def write_loong_data(shape: Shape, args: argparse.Namespace, folder: Path) -> tuple[Path, Path]:
+    """The rows' data as ``loong-vlm train`` reads it: a conversations JSONL whose sample ``g`` holds the same
+    ``--image-size``² noise image as :func:`sample` (saved as PNG) and an assistant answer of random words filling
+    the sequence, and a tiny processor folder with the shape's patch geometry that resizes nothing (min = max
+    pixels = the image's area). The text tokens differ from the HF rows' (loong-vlm tokenises text; the ids do
+    not change the cost); the image tokens, their count and the sequence length are the same."""
+    import random
+
+    import torch
+    from PIL import Image
+
+    from loong.vlm.data.processors import build_tiny_processor
+
+    v = shape.vision
+    area = args.image_size ** 2
+    family = "qwen2_5_vl" if shape.family == "qwen2_5_vl" else "qwen3_vl"
+    proc_dir = build_tiny_processor(folder / "processor", family, patch_size=v["patch_size"],
+                                    merge_size=v["spatial_merge_size"], temporal_patch_size=v["temporal_patch_size"],
+                                    min_pixels=area, max_pixels=area)
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(proc_dir))
+    rng = random.Random(args.seed)
+    probe = " ".join(rng.choice(_WORDS) for _ in range(2000))
+    per_word = len(tok(probe)["input_ids"]) / 2000
+    words = int((args.seq - shape.image_tokens(args.image_size) - 48) / per_word)  # the template's tokens: < 48
+    lines = []
+    for g in range(args.steps * args.gbs):
+        gen = torch.Generator().manual_seed(args.seed * 1_000_003 + g)  # sample()'s first draw: the image
+        image = torch.randint(0, 256, (3, args.image_size, args.image_size), generator=gen, dtype=torch.uint8)
+        path = folder / f"img_{g:05d}.png"
+        Image.fromarray(image.permute(1, 2, 0).numpy()).save(path)
+        answer = " ".join(rng.choice(_WORDS) for _ in range(words))
+        lines.append(json.dumps({"messages": [
+            {"role": "user", "content": [{"type": "image", "image": path.name}, {"type": "text", "text": "Describe."}]},
+            {"role": "assistant", "content": answer}]}))
+    data = folder / "data.jsonl"
+    data.write_text("\n".join(lines) + "\n")
+    return data, proc_dir
+
+
+def _loong_row(shape: Shape, args: argparse.Namespace, tmp: Path, extra: list[str]) -> dict:
+    """``loong-vlm train`` (the real walk: megatron engine, one rank, bf16) on :func:`write_loong_data`'s samples,
+    one sample a sequence (``data.packing=false``) in order (samples are drawn by the seeded sampler: the same set,
+    another order), constant learning rate; each step's wall time from its metrics record."""
+    import torch
+
+    from loong.core.run import train
+    from loong.vlm.cli import CONFIG_MODULE, CONFIG_NAME
+    from loong.vlm.schema import VLMRunConfig
+
+    data, proc = write_loong_data(shape, args, tmp)
+    gpu = torch.cuda.is_available()
+    overrides = [f"model={LOONG_PRESETS[shape.name]}", f"data.path={data}", f"data.processor={proc}",
+                 "data.packing=false", "data.valid_fraction=0", f"data.num_workers={4 if gpu else 0}",
+                 f"train.seq_length={args.seq}", f"train.micro_batch_size={args.mbs}",
+                 f"train.global_batch_size={args.gbs}", f"train.steps={args.steps}", f"train.lr={args.lr}",
+                 f"train.min_lr={args.lr}", "train.warmup_steps=0", f"train.seed={args.seed}",
+                 f"train.precision={'bf16' if gpu else 'fp32'}", "train.eval_interval=0", "train.eval_iters=0",
+                 "train.save_final=false", "train.progress=false", "train.log_interval=1", "train.resume=none",
+                 f"output_dir={tmp / 'out'}", "run_name=loong", *extra]
+    result = train(CONFIG_MODULE, CONFIG_NAME, overrides, VLMRunConfig)
+    recs = [json.loads(x) for x in (result.run_dir / "metrics.jsonl").read_text().splitlines()]
+    recs = [r for r in recs if "train_loss" in r]
+    times = [b["time"] - a["time"] for a, b in zip(recs, recs[1:], strict=False)]  # steps 2..n
+    peak = max((r.get("peak_memory_gib") or 0.0) for r in recs) or None
+    out = figures(shape, args, [times[0], *times], [r["train_loss"] for r in recs], peak)
+    out["overrides"] = overrides
+    return out
+
+
+def _loong_bf16(shape: Shape, args: argparse.Namespace, tmp: Path) -> dict:
+    return _loong_row(shape, args, tmp, [])
+
+
+def _loong_selective(shape: Shape, args: argparse.Namespace, tmp: Path) -> dict:
+    return _loong_row(shape, args, tmp, ["foundation.recompute=selective"])
+
+
 @dataclass(frozen=True)
 class Row:
     """A benchmark row: its table label, the function that runs it (in the row's own process; returns
@@ -471,6 +559,8 @@ ROWS: dict[str, Row] = {
     "hf_eager": Row("HF eager (SDPA, bf16 autocast)", _hf_eager),
     "hf_liger": Row("HF + Liger kernels", _hf_liger,
                     cpu="Liger's kernels are Triton GPU kernels (no CPU implementation)"),
+    "loong_bf16": Row("Loong bf16 (loong-vlm train)", _loong_bf16),
+    "loong_selective": Row("Loong bf16, foundation.recompute=selective", _loong_selective),
 }
 
 
