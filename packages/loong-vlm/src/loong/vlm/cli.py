@@ -49,6 +49,23 @@ def _run_train(args: argparse.Namespace) -> int:
     return run_train(CONFIG_MODULE, CONFIG_NAME, args.overrides, VLMRunConfig)
 
 
+def _setup_convert(p: argparse.ArgumentParser) -> None:
+    p.add_argument("src", help="a Hugging Face VLM folder, or a Loong checkpoint (run, checkpoints or step dir)")
+    p.add_argument("dst", help="output folder")
+    p.add_argument("--dtype", choices=["auto", "bf16", "fp32", "fp16"], default="auto",
+                   help="dtype of the written weights (auto: as saved; fp32 for the Loong checkpoint of an HF folder)")
+    p.add_argument("--processor", default=None, metavar="DIR",
+                   help="Loong -> HF: the processor folder to write beside the weights (default: the checkpoint's)")
+
+
+def _run_convert(args: argparse.Namespace) -> int:
+    from loong.vlm.convert import convert
+
+    out = convert(args.src, args.dst, dtype=args.dtype, processor=args.processor)
+    print(f"wrote {out}", file=sys.stderr)
+    return 0
+
+
 main = make_cli(
     prog="loong-vlm",
     description="Train vision-language models (Qwen2.5-VL, Qwen3-VL, InternVL 3.5; any loong-llm foundation) on "
@@ -57,6 +74,8 @@ main = make_cli(
     commands={
         "train": Command("train a VLM (default: a tiny Qwen2.5-VL on synthetic shape captions, on CPU)",
                          _setup_train, _run_train),
+        "convert": Command("convert a Hugging Face VLM folder to a Loong checkpoint, or back (direction from SRC)",
+                           _setup_convert, _run_convert),
     },
     epilog=_presets_epilog,
 )

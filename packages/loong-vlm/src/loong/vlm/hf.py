@@ -221,6 +221,21 @@ def load_processor_folder(folder: str | Path) -> Any:
         raise LoongError(f"cannot load a processor from {folder}: {exc}") from None
 
 
+def adopt_init_from_hf(cfg: Any) -> None:
+    """``model.init_from_hf=PATH``: the folder's config.json sets the shapes of all three components (as
+    ``from_pretrained`` does; the run keeps its training fields), and, when ``data.processor`` is unset and the
+    folder holds a processor, the data reads with it. Does nothing without ``init_from_hf``."""
+    path = cfg.model.init_from_hf
+    if path is None:
+        return
+    if cfg.model.family == "custom":
+        raise LoongError("model.init_from_hf: model.family=custom has no Hugging Face class to read; leave "
+                         "model.family unset (the folder names its family) or pick a preset of the folder's family")
+    parts_from_folder(path, keep=VLMParts.of(cfg)).apply_to(cfg)
+    if cfg.data.processor is None and has_processor(path):
+        cfg.data.processor = str(path)
+
+
 def read_hf_state(path: str | Path, parts: VLMParts) -> dict[str, Tensor]:
     """The whole native state of an HF VLM folder whose config gives ``parts`` (safetensors only)."""
     hf_config, state = read_hf_folder(path)
@@ -265,7 +280,7 @@ def export_model(model_chunks: list[torch.nn.Module], parts: VLMParts, out_dir: 
     return Path(out_dir)
 
 
-__all__ = ["DTYPE_NAMES", "HFLayout", "LEGACY_RENAMES", "canonical_layout", "export_model", "has_processor",
-           "hf_to_native", "layout_of", "load_hf_into", "load_processor_folder", "native_shapes", "native_to_hf",
-           "parts_from_folder", "read_hf_config", "read_hf_state", "to_file_layout", "to_memory_layout",
-           "write_hf"]
+__all__ = ["DTYPE_NAMES", "HFLayout", "LEGACY_RENAMES", "adopt_init_from_hf", "canonical_layout", "export_model",
+           "has_processor", "hf_to_native", "layout_of", "load_hf_into", "load_processor_folder", "native_shapes",
+           "native_to_hf", "parts_from_folder", "read_hf_config", "read_hf_state", "to_file_layout",
+           "to_memory_layout", "write_hf"]

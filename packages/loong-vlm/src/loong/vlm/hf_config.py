@@ -30,6 +30,7 @@ from loong.llm.models.config import TRAINING_FIELDS, DenseModelConfig
 from loong.llm.models.hf_mapping import family_by_name, family_for_hf_config
 from loong.vlm.models.config import EncoderConfig, ProjectorConfig
 from loong.vlm.models.families import vision_family
+from loong.vlm.models.internvl.vision import tokens_per_tile
 from loong.vlm.models.text_mapping import VLMTextConfig, hf_text_config, text_config_from_hf
 from loong.vlm.schema import VLMModelConfig
 
@@ -37,7 +38,8 @@ from loong.vlm.schema import VLMModelConfig
 #: ``model.init_from_hf`` and an explicit ``train.resume`` take them from the run, the rest from the folder
 ENCODER_TRAINING_FIELDS = ("init_std", "init_from", "recompute", "decoupled", "parallel")
 PROJECTOR_TRAINING_FIELDS = ("init_std",)
-MODEL_TRAINING_FIELDS = ("freeze", "init_from_hf")
+#: ``model`` fields a config.json sets; every other one (freeze, lr_mult, init_from_hf, ...) is the run's
+MODEL_HF_FIELDS = ("family", "preset", "mrope_section", "mrope_interleaved")
 
 
 @dataclass(frozen=True)
@@ -141,10 +143,15 @@ def _keep(target: Any, run: Any, names: tuple[str, ...]) -> None:
         setattr(target, name, getattr(run, name))
 
 
+def _model_training_fields() -> tuple[str, ...]:
+    return tuple(f.name for f in dataclasses.fields(VLMModelConfig) if f.name not in MODEL_HF_FIELDS)
+
+
 def parts_from_hf(hf_config: dict[str, Any], source: str = "the checkpoint", keep: VLMParts | None = None,
                   preset: str = "custom") -> VLMParts:
     """The four configs of a parsed config.json. ``keep`` (the run's parts) donates the fields a config.json does
-    not hold (:data:`ENCODER_TRAINING_FIELDS` ..., loong-llm's ``TRAINING_FIELDS``); ``preset`` names the
+    not hold (:data:`ENCODER_TRAINING_FIELDS`, :data:`PROJECTOR_TRAINING_FIELDS`, loong-llm's
+    ``TRAINING_FIELDS``, every ``model`` field but :data:`MODEL_HF_FIELDS`); ``preset`` names the
     result (e.g. the folder's name)."""
     fam = family_of_hf_config(hf_config, source)
     vision = dict(hf_config.get("vision_config") or {})
@@ -167,8 +174,6 @@ def parts_from_hf(hf_config: dict[str, Any], source: str = "the checkpoint", kee
                              f"(text models: {', '.join(fam.foundations)})")
         foundation = text_family.config_from_hf(text)
         seq = hf_config.get("image_seq_length")
-        from loong.vlm.models.internvl import tokens_per_tile
-
         if seq is not None and int(seq) != tokens_per_tile(enc, proj):
             raise LoongError(f"{source}: image_seq_length={seq} but the vision config gives "
                              f"{tokens_per_tile(enc, proj)} tokens a tile")
@@ -186,7 +191,7 @@ def parts_from_hf(hf_config: dict[str, Any], source: str = "the checkpoint", kee
     enc.preset = preset
     foundation.preset = preset
     if keep is not None:
-        _keep(model, keep.model, MODEL_TRAINING_FIELDS)
+        _keep(model, keep.model, _model_training_fields())
         _keep(enc, keep.encoder, ENCODER_TRAINING_FIELDS)
         _keep(proj, keep.projector, PROJECTOR_TRAINING_FIELDS)
         _keep(foundation, keep.foundation, TRAINING_FIELDS)
@@ -201,7 +206,7 @@ def adopt_parts(cfg: Any, donor: VLMParts) -> None:
     run = VLMParts.of(cfg)
     parts = VLMParts(*(dataclasses.replace(p) for p in (donor.model, donor.encoder, donor.projector,
                                                         donor.foundation)))
-    _keep(parts.model, run.model, MODEL_TRAINING_FIELDS)
+    _keep(parts.model, run.model, _model_training_fields())
     _keep(parts.encoder, run.encoder, ENCODER_TRAINING_FIELDS)
     _keep(parts.projector, run.projector, PROJECTOR_TRAINING_FIELDS)
     _keep(parts.foundation, run.foundation, TRAINING_FIELDS)
@@ -252,11 +257,9 @@ def check_processor(parts: VLMParts, processor: Any) -> None:
     hf = _hf_processor(processor)
     want = PROCESSORS[fam.processor]
     if type(hf).__name__ != want:
-        raise LoongError(f"a {fam.architecture} folder takes a {want}, not a {type(hf).__name__}")
+        raise LoongError(f"a {fam.architecture} folder takes a processor of class {want}, not {type(hf).__name__}")
     enc = parts.encoder
     if fam.name == "internvl":
-        from loong.vlm.models.internvl import tokens_per_tile
-
         seq = tokens_per_tile(enc, parts.projector)
         size = hf.image_processor.size
         if int(hf.image_seq_length) != seq or (int(size.height), int(size.width)) != (enc.image_size,) * 2:
@@ -274,11 +277,17 @@ def check_processor(parts: VLMParts, processor: Any) -> None:
                          f"{parts.foundation.vocab_size}")
 
 
-def _special_ids(text: dict[str, Any], processor: Any) -> None:
-    """bos / eos / pad ids the text config lacks, from the tokenizer."""
+def _special_ids(text: dict[str, Any], processor: Any, vocab_size: int) -> None:
+    """bos / eos / pad ids from the tokenizer where the text config has none or one outside the vocabulary (a
+    config class's default that does not belong to this tokenizer)."""
     tok = _hf_processor(processor).tokenizer
+
+    def valid(value: Any) -> bool:
+        values = value if isinstance(value, list) else [value]
+        return bool(values) and all(isinstance(v, int) and 0 <= v < vocab_size for v in values)
+
     for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
-        if text.get(name) is None:
+        if not valid(text.get(name)):
             text[name] = getattr(tok, name, None)
 
 
@@ -307,7 +316,7 @@ def hf_config_of(parts: VLMParts, processor: Any, dtype: str = "bfloat16") -> di
             tps = enc.tokens_per_second
             vision["tokens_per_second"] = int(tps) if float(tps).is_integer() else tps
         out["vision_config"] = vision
-    _special_ids(text, processor)
+    _special_ids(text, processor, fnd.vocab_size)
     out["text_config"] = text
     out.update(processor_token_ids(parts, processor))
     out.update(tie_word_embeddings=fnd.tie_word_embeddings, dtype=dtype, torch_dtype=dtype)
@@ -324,6 +333,6 @@ def generation_config_of(hf_config: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-__all__ = ["ENCODER_TRAINING_FIELDS", "FAMILIES", "HFVLMFamily", "MODEL_TRAINING_FIELDS",
-           "PROJECTOR_TRAINING_FIELDS", "VLMParts", "adopt_parts", "check_parts", "check_processor", "family_of_hf_config",
-           "family_spec", "generation_config_of", "hf_config_of", "parts_from_hf", "processor_token_ids"]
+__all__ = ["ENCODER_TRAINING_FIELDS", "FAMILIES", "MODEL_HF_FIELDS", "PROJECTOR_TRAINING_FIELDS", "HFVLMFamily",
+           "VLMParts", "adopt_parts", "check_parts", "check_processor", "family_of_hf_config", "family_spec",
+           "generation_config_of", "hf_config_of", "parts_from_hf", "processor_token_ids"]

@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from loong.core.config.checks import PositiveFloat
 from loong.core.config.schema import DataConfig, RunConfig
 from loong.core.errors import LoongError
 from loong.llm.models.config import DenseModelConfig
@@ -19,6 +20,15 @@ from loong.vlm.models.config import EncoderConfig, ProjectorConfig
 
 #: components ``model.freeze`` may name
 COMPONENTS = ("encoder", "projector", "foundation")
+
+
+@dataclass
+class LRMultipliers:
+    """``model.lr_mult``: each component's learning rate as a multiple of ``train.lr`` (and of ``train.min_lr``)."""
+
+    encoder: PositiveFloat = 1.0
+    projector: PositiveFloat = 1.0
+    foundation: PositiveFloat = 1.0
 
 
 @dataclass
@@ -31,9 +41,9 @@ class VLMModelConfig:
     null: 1-D RoPE) and ``mrope_interleaved`` (Qwen3-VL's layout) set the foundation's rotary embedding; a
     foundation without M-RoPE takes 1-D positions (``data.positions`` follows). ``freeze``: components whose
     weights do not train (no gradients, no optimiser state), e.g. ``[encoder]`` or ``[encoder, foundation]``
-    (projector-only alignment). ``lr_mult``: per-component learning-rate multipliers, e.g. ``{encoder: 0.1}``
-    (the component's peak and minimum learning rates are ``train.lr`` / ``train.min_lr`` times it, on the same
-    schedule; unnamed components 1.0). ``init_from_hf``: a Hugging Face folder of ``family`` whose weights (all
+    (projector-only alignment). ``lr_mult``: per-component learning-rate multipliers (default 1.0 each), e.g.
+    ``model.lr_mult.encoder=0.1``: the component's peak and minimum learning rates are ``train.lr`` /
+    ``train.min_lr`` times it, on the same schedule. ``init_from_hf``: a Hugging Face folder of ``family`` whose weights (all
     three components) start a fresh run; its config sets the shapes.
     """
 
@@ -42,7 +52,7 @@ class VLMModelConfig:
     mrope_section: list | None = None
     mrope_interleaved: bool = False
     freeze: list = field(default_factory=list)
-    lr_mult: dict = field(default_factory=dict)
+    lr_mult: LRMultipliers = field(default_factory=lambda: LRMultipliers())
     init_from_hf: str | None = None
 
     def validate(self, path: str) -> None:
@@ -51,11 +61,6 @@ class VLMModelConfig:
             raise LoongError(f"{path}.freeze: {bad} are not components (choose from {', '.join(COMPONENTS)})")
         if len(set(self.freeze)) == len(COMPONENTS):
             raise LoongError(f"{path}.freeze={self.freeze} freezes every component: nothing would train")
-        for name, mult in self.lr_mult.items():
-            if name not in COMPONENTS:
-                raise LoongError(f"{path}.lr_mult.{name}: not a component (choose from {', '.join(COMPONENTS)})")
-            if isinstance(mult, bool) or not isinstance(mult, int | float) or not mult > 0:
-                raise LoongError(f"{path}.lr_mult.{name}: a learning-rate multiplier > 0, got {mult!r}")
 
 
 @dataclass
@@ -115,4 +120,4 @@ class VLMRunConfig(RunConfig):
     data: VLMDataConfig = field(default_factory=VLMDataConfig)
 
 
-__all__ = ["COMPONENTS", "VLMDataConfig", "VLMModelConfig", "VLMRunConfig"]
+__all__ = ["COMPONENTS", "LRMultipliers", "VLMDataConfig", "VLMModelConfig", "VLMRunConfig"]

@@ -24,7 +24,7 @@ from loong.llm.data.text import GlobalBatchSampler
 from loong.llm.models.config import check_model_layout, training_flops_per_token
 from loong.llm.sft.task import SFTTask
 from loong.vlm.models.families import vision_family
-from loong.vlm.schema import VLMRunConfig
+from loong.vlm.schema import COMPONENTS, VLMRunConfig
 
 #: batch keys moved to the device and handed to the model besides tokens / positions / document ids / labels
 MEDIA_KEYS = ("mm_token_type_ids", "pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw")
@@ -85,7 +85,22 @@ class VLMTask(MegatronTask):
 
     @classmethod
     def check_config(cls, cfg: Any) -> None:
+        from loong.vlm.convert import adopt_resume_checkpoint
+        from loong.vlm.hf import adopt_init_from_hf
+        from loong.vlm.hf_config import VLMParts, check_parts
+
+        adopt_init_from_hf(cfg)  # the folder (model.init_from_hf) or the checkpoint (train.resume) sets the shapes
+        adopt_resume_checkpoint(cfg)
         check_vlm_config(cfg)
+        if cfg.train.save_hf:
+            check_parts(VLMParts.of(cfg), "train.save_hf")
+
+    def init_weights(self, model_chunks: list[torch.nn.Module]) -> None:
+        if self.cfg.model.init_from_hf is not None:
+            from loong.vlm.hf import load_hf_into
+            from loong.vlm.hf_config import VLMParts
+
+            load_hf_into(model_chunks, self.cfg.model.init_from_hf, VLMParts.of(self.cfg))
 
     # --- model -----------------------------------------------------------------------------
     def model_config(self, dtype: torch.dtype) -> Any:
@@ -137,7 +152,8 @@ class VLMTask(MegatronTask):
         from megatron.core.optimizer import ParamKey, ParamWithNamePredicate
 
         out: dict[Any, Any] = {}
-        for name, mult in sorted(self.cfg.model.lr_mult.items()):
+        for name in COMPONENTS:
+            mult = getattr(self.cfg.model.lr_mult, name)
             if float(mult) == 1.0:
                 continue
             key = ParamKey(with_name_predicate=ParamWithNamePredicate(
@@ -192,6 +208,10 @@ class VLMTask(MegatronTask):
 
             self.balanced = BalancedVisionSamples(c, self.data.train, self.sampler, self.layout.dp,
                                                   self.layout.pg_collection.dp)
+        if c.train.save_hf:  # the processor must fit the HF folder: refuse it now, not after training
+            from loong.vlm.hf_config import VLMParts, hf_config_of
+
+            hf_config_of(VLMParts.of(c), self.processor)
         if self.layout.is_logging_rank:
             print(self.data.summary(path), file=sys.stderr)
 
@@ -318,3 +338,11 @@ class VLMTask(MegatronTask):
 
     def save_artifacts(self, checkpoint_dir: Path) -> None:
         self.processor.hf.save_pretrained(str(checkpoint_dir / "processor"))
+
+    def export(self, model_chunks: list[torch.nn.Module], out_dir: Path) -> Path | None:
+        """``train.save_hf``: the family's HF folder (weights gathered from every rank, written on rank 0) with the
+        processor beside it (its tokenizer gives the config's placeholder token ids)."""
+        from loong.vlm.hf import export_model
+        from loong.vlm.hf_config import VLMParts
+
+        return export_model(model_chunks, VLMParts.of(self.cfg), out_dir, self.processor)

@@ -1,0 +1,175 @@
+"""``loong-vlm convert SRC DST``: Hugging Face VLM folder ⇄ Loong checkpoint; the direction comes from SRC, as in
+``loong-llm convert``.
+
+An HF folder (``Qwen2_5_VLForConditionalGeneration``, ``Qwen3VLForConditionalGeneration``,
+``Qwen3VLMoeForConditionalGeneration``, ``InternVLForConditionalGeneration``) becomes a weights-only Loong
+checkpoint under ``DST/checkpoints`` (layout-independent: ``loong-vlm train train.resume=DST`` starts a fresh run
+from its weights at any TP/PP, its config setting the shapes), with the folder's processor beside it when it
+has one. A Loong checkpoint (a run, its ``checkpoints`` folder or one step) becomes an HF folder that
+``from_pretrained`` loads, with the processor the checkpoint was trained with (or ``--processor DIR``).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from loong.core.accelerators import select_accelerator
+from loong.core.checkpoint import CheckpointManager, read_config, resolve_checkpoint
+from loong.core.config.schema import ParallelConfig, from_dict, to_dict
+from loong.core.engines.megatron.layout import world
+from loong.core.errors import LoongError
+from loong.vlm.hf import (
+    has_processor,
+    load_hf_into,
+    load_processor_folder,
+    native_shapes,
+    parts_from_folder,
+    write_hf,
+)
+from loong.vlm.hf_config import VLMParts, adopt_parts, check_parts, hf_config_of
+from loong.vlm.schema import VLMRunConfig
+
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
+#: the sections of a loong-vlm run config that make the model
+SECTIONS = ("model", "encoder", "projector", "foundation")
+
+
+class _WeightsOnly:
+    """The slice of an engine the checkpoint manager needs, for a model without an optimiser."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model = model
+
+    def save(self, directory: Path) -> None:
+        from megatron.core import dist_checkpointing
+
+        dist_checkpointing.save({"model": self.model.sharded_state_dict()}, str(directory))
+
+
+def checkpoint_parts(step_dir: Path) -> VLMParts:
+    """The four model configs a loong-vlm checkpoint was saved with."""
+    saved = read_config(step_dir)
+    missing = [s for s in SECTIONS if s not in saved]
+    if missing:
+        raise LoongError(f"{step_dir} is not a loong-vlm checkpoint (its config has no {', '.join(missing)} "
+                         "section)")
+    run = from_dict(VLMRunConfig, {s: saved[s] for s in SECTIONS})
+    return VLMParts.of(run)
+
+
+def adopt_resume_checkpoint(cfg: Any) -> None:
+    """An explicit ``train.resume=CKPT`` defines the model it holds (as in loong-llm; the core takes its ``model``
+    section, command-line ``model.*`` keys winning): here also its ``encoder``, ``projector`` and ``foundation``
+    shapes, the run keeping its training fields; with ``data.processor`` unset, the data reads with the processor
+    saved beside the checkpoint (the model's placeholder tokens are its tokenizer's). ``auto`` / ``none`` do
+    nothing."""
+    if cfg.train.resume in ("auto", "none", "never", ""):
+        return
+    step_dir = resolve_checkpoint(cfg.train.resume, verify=False)  # checksums: after dist init, by the core
+    donor = checkpoint_parts(step_dir)
+    adopt_parts(cfg, VLMParts(cfg.model, donor.encoder, donor.projector, donor.foundation))
+    if cfg.data.processor is None and has_processor(step_dir / "processor"):
+        cfg.data.processor = str(step_dir / "processor")
+
+
+def _build(parts: VLMParts, dtype: torch.dtype, accelerator: Any, layout: Any) -> torch.nn.Module:
+    """The whole VLM (one chunk) as ``loong-vlm train`` builds it, on CPU, in ``dtype``."""
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    from loong.vlm.task import VLMTask
+
+    cfg = VLMRunConfig()
+    parts.apply_to(cfg)
+    model_parallel_cuda_manual_seed(cfg.train.seed)
+    task = VLMTask(cfg, accelerator, layout)
+    model = task.build_model(task.model_config(dtype), True, True, None)
+    for part in (model.encoder, model.projector):  # plain modules: built in fp32; megatron's are in ``dtype``
+        part.to(dtype)
+    return model
+
+
+def hf_to_loong(src: Path, dst: Path, dtype: str = "auto") -> Path:
+    """Import an HF VLM folder as a weights-only Loong checkpoint under ``dst/checkpoints`` (its processor, when
+    the folder has one, under the step's ``processor/``)."""
+    parts = parts_from_folder(src)
+    processor = load_processor_folder(src) if has_processor(src) else None
+    run_cfg = VLMRunConfig(run_name=dst.name, output_dir=str(dst.parent))
+    parts.apply_to(run_cfg)
+    accelerator = select_accelerator("cpu")
+    with world(accelerator, ParallelConfig()) as layout:
+        model = _build(parts, DTYPES.get(dtype, torch.float32), accelerator, layout)
+        load_hf_into([model], src, parts)
+
+        def artifacts(step_dir: Path) -> None:
+            if processor is not None:
+                processor.save_pretrained(str(step_dir / "processor"))
+
+        state = {"step": 0, "weights_only": True, "source": str(src)}
+        CheckpointManager(dst / "checkpoints").save(0, _WeightsOnly(model), state, to_dict(run_cfg),
+                                                    artifacts=artifacts)
+    return dst / "checkpoints"
+
+
+def loong_to_hf(src: Path, dst: Path, dtype: str = "auto", processor: str | Path | None = None) -> Path:
+    """Export a Loong VLM checkpoint (any layout it was saved at) as an HF folder with its processor
+    (``processor``: a processor folder instead of the checkpoint's own)."""
+    from megatron.core.dist_checkpointing.serialization import load_plain_tensors
+
+    step_dir = resolve_checkpoint(src)
+    parts = checkpoint_parts(step_dir)
+    check_parts(parts, "convert to a Hugging Face folder")
+    proc_dir = Path(processor) if processor is not None else step_dir / "processor"
+    if not has_processor(proc_dir):
+        where = f"--processor {processor}" if processor is not None else f"{step_dir} (no processor/ beside it)"
+        raise LoongError(f"{where}: no processor folder; the HF folder's config takes its placeholder token ids "
+                         "from the processor's tokenizer: pass --processor DIR")
+    proc = load_processor_folder(proc_dir)
+    hf_config_of(parts, proc)  # refuse a misfit processor before reading the weights
+    with world(select_accelerator("cpu"), ParallelConfig()):
+        plain = load_plain_tensors(str(step_dir))
+    wanted = native_shapes(parts)
+    missing = sorted(set(wanted) - set(plain))
+    if missing:
+        raise LoongError(f"{step_dir} lacks model tensors {missing[:3]} for its config")
+    bad = sorted(k for k, shape in wanted.items() if tuple(plain[k].shape) != shape)
+    if bad:
+        raise LoongError(f"{step_dir}: {bad[0]} has shape {tuple(plain[bad[0]].shape)}, its config implies "
+                         f"{wanted[bad[0]]}")
+    native = {k: plain[k] for k in wanted}
+    saved_dtype = native["foundation.embedding.word_embeddings.weight"].dtype
+    return write_hf(native, parts, dst, DTYPES.get(dtype, saved_dtype), proc)
+
+
+def _is_hf_folder(path: Path) -> bool:
+    return (path / "config.json").is_file()
+
+
+def convert(src: str | Path, dst: str | Path, dtype: str = "auto", processor: str | Path | None = None) -> Path:
+    """Convert in the direction SRC implies (nothing is written when SRC is not understood). ``dtype``: ``auto``
+    (as saved; fp32 for the Loong checkpoint of an HF folder), ``bf16``, ``fp32`` or ``fp16``; ``processor``
+    (Loong → HF only): the processor folder to write beside the weights."""
+    src_p, dst_p = Path(src), Path(dst)
+    if dtype != "auto" and dtype not in DTYPES:
+        raise LoongError(f"--dtype {dtype}: one of auto, {', '.join(DTYPES)}")
+    if not src_p.exists():
+        raise LoongError(f"{src} does not exist")
+    if _is_hf_folder(src_p):
+        if processor is not None:
+            raise LoongError(f"--processor applies to a Loong checkpoint; {src} is a Hugging Face folder (its own "
+                             "processor is kept)")
+        return hf_to_loong(src_p, dst_p, dtype)
+    try:
+        resolve_checkpoint(src_p, verify=False)  # is it a checkpoint at all? (integrity: below)
+    except LoongError as exc:
+        if "not a Loong checkpoint" not in str(exc):  # a checkpoint, but broken: say how
+            raise
+        raise LoongError(f"{src} is neither a Hugging Face model folder (no config.json) nor a Loong checkpoint "
+                         "(no manifest.json, trainer_state.json or step_* directories)") from None
+    return loong_to_hf(src_p, dst_p, dtype, processor)
+
+
+__all__ = ["DTYPES", "SECTIONS", "adopt_resume_checkpoint", "checkpoint_parts", "convert", "hf_to_loong",
+           "loong_to_hf"]
