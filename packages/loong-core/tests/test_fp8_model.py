@@ -210,7 +210,7 @@ def test_precision_config_keys_and_errors() -> None:
     errors = {
         ("precision.fp8=rowwise", "train.precision=fp32"): "precision.fp8=rowwise needs bf16 training",
         ("precision.fp8=rowwse",): "did you mean 'rowwise'",
-        ("precision.fp8_adaptive_threshold=0",): "precision.fp8_adaptive_threshold: must be > 0",
+        ("precision.fp8_adaptive_threshold=0",): "precision.fp8_adaptive_threshold=0.0: must be > 0",
         ("precision.fp9=tensorwise",): "did you mean 'precision.fp8'",
     }
     for overrides, message in errors.items():

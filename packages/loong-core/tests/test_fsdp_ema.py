@@ -19,7 +19,7 @@ WORKERS = Path(__file__).parent / "workers"
 
 
 @pytest.mark.parametrize("train,message", [
-    ({"ema_decay": 1.0}, r"train.ema_decay: 0 \(off\) or a decay in \(0, 1\)"),
+    ({"ema_decay": 1.0}, r"train.ema_decay=1.0: must be in \[0, 1\) \(0: off; e.g. 0.999\)"),
     ({"ema_decay": -0.1}, r"train.ema_decay"),
     ({"export_ema": True}, r"train.export_ema=true exports the EMA.*train.ema_decay=0"),
 ])  # fmt: skip

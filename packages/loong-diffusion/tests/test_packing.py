@@ -120,7 +120,7 @@ def test_packing_config_checks_name_the_keys() -> None:
         _task(0, mbs=2)
     with pytest.raises(LoongError, match=r"data.sizes\[1\]=\[2, 7, 4\]"):
         _task(BUDGET, sizes=[[4, 8, 8], [2, 7, 4]])
-    with pytest.raises(LoongError, match=r"data.sizes\[0\]: a latent size"):
+    with pytest.raises(LoongError, match=r"data.sizes\[0\]=\[4, 8\]: a latent size"):
         _task(BUDGET, sizes=[[4, 8]])
-    with pytest.raises(LoongError, match="data.pack_tokens: video tokens per packed micro-batch"):
+    with pytest.raises(LoongError, match=r"data.pack_tokens=-1: must be >= 0 \(0: no packing\)"):
         _task(-1)

@@ -76,8 +76,14 @@ def test_init_from_diffusers(tmp_path: Path) -> None:
 
 
 def test_config_checks_name_the_key() -> None:
-    with pytest.raises(LoongError, match="model.init_from_diffusers"):
-        _task(model={"init_from_diffusers": "/nonexistent/wan"})
+    from loong.core.config.checks import check_paths
+    from loong.core.config.schema import from_dict
+    from loong.diffusion.schema import DiffusionRunConfig
+
+    # paths must exist when a run starts (compose_config runs check_paths), not when a saved config is read back
+    cfg = from_dict(DiffusionRunConfig, {"model": {"init_from_diffusers": "/nonexistent/wan"}})
+    with pytest.raises(LoongError, match="model.init_from_diffusers=/nonexistent/wan: must be an existing folder"):
+        check_paths(cfg)
     with pytest.raises(LoongError, match="data.height=7"):
         _task(data={"height": 7})
     with pytest.raises(LoongError, match="model.in_channels=20"):

@@ -285,12 +285,15 @@ def test_resume_after_failed_save(after_failure: dict, uninterrupted: list[dict]
     assert _latest(after_failure["run"]) == "step_00000018"
 
 
-def test_rerun_of_finished_run_is_a_clear_error(after_failure: dict) -> None:
-    rc, err = _train(after_failure["run"].parent, "r", f"train.steps={RESUMED}")
-    assert rc == 2
-    lines = err.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: ") and "already at step 18" in lines[0]
-    assert "train.steps" in lines[0]
+def test_rerun_of_finished_run_says_so_and_writes_nothing(after_failure: dict) -> None:
+    run = after_failure["run"]
+    before = _snapshot(run)
+    rc, err = _train(run.parent, "r", f"train.steps={RESUMED}")  # the run is past step 12 already
+    assert rc == 0
+    assert err.strip().splitlines() == [f"{run} is finished: its checkpoint step_00000018 is at step 18 of "
+                                        "train.steps=12; nothing to train (raise train.steps to continue it, or "
+                                        "train.resume=none for a new run)"]
+    assert _snapshot(run) == before
 
 
 # --- SIGTERM -------------------------------------------------------------------------------
@@ -327,7 +330,7 @@ def test_sigterm_saves_and_exits_cleanly(out: Path) -> None:
     step_dir = run / "checkpoints" / f"step_{last_step:08d}"
     assert _state(step_dir)["step"] == last_step
     assert str(step_dir) in stderr  # the message names the saved checkpoint
-    assert "run_name=sig" in stderr  # and how to resume
+    assert "rerun the same command to continue" in stderr  # and how to resume
 
 
 # --- Hugging Face export -------------------------------------------------------------------

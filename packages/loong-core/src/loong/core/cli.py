@@ -39,8 +39,9 @@ def relaunch(nproc: int, module: str, argv: Sequence[str], max_restarts: int = 0
     """Start ``python -m module argv`` in ``nproc`` processes through torch.distributed.run.
 
     ``max_restarts``: torchrun restarts the whole group this many times after a worker fails; the
-    restarted run resumes from its last checkpoint (``train.resume=auto``). The run directory's
-    timestamp is fixed here (``LOONG_RUN_STAMP``) so that every attempt finds the same directory.
+    restarted run resumes from its last checkpoint (``train.resume=auto``) in its directory, which the config
+    determines (:mod:`loong.core.run_dir`); the timestamp of a ``train.resume=none`` run's directory is fixed here
+    (``LOONG_RUN_STAMP``) so that every attempt finds the same one.
     """
     from torch.distributed.run import main as torchrun
 
@@ -95,7 +96,7 @@ def run_train(config_module: str, config_name: str, overrides: list[str], schema
         print(msg, file=sys.stderr)
 
     result = train(config_module, config_name, overrides, schema, echo=echo)
-    if not result.is_logging_rank:
+    if not result.is_logging_rank or result.already_finished:  # the walk said so
         return 0
     if result.first_loss is not None and result.last_loss is not None:
         drop = 1 - result.last_loss / result.first_loss
@@ -105,8 +106,9 @@ def run_train(config_module: str, config_name: str, overrides: list[str], schema
               f"metrics.jsonl, tensorboard/, loss.png" + (f", {export_label} ({result.hf_dir})" if result.hf_dir else ""),
               file=sys.stderr)
     if result.interrupted:
-        print(f"interrupted: saved {result.checkpoint}; rerun with run_name={result.run_dir.name} "
-              "to resume", file=sys.stderr)
+        how = ("rerun the same command" if result.rerun_continues
+               else f"rerun with run_name={result.run_dir.name} train.resume=auto")
+        print(f"interrupted: saved {result.checkpoint}; {how} to continue", file=sys.stderr)
     return 0
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.metadata
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 
 from loong.core.errors import LoongError, did_you_mean
 
@@ -93,10 +94,22 @@ class Registry[T]:
         return iter(self.names())
 
 
+@dataclass(frozen=True)
+class RunConfigSource:
+    """What a CLI's ``train`` composes: Hydra's ``config_module`` / ``config_name`` and the run schema
+    (``"package.module:Class"``, imported when needed). Registered in :data:`RUN_CONFIGS` under the CLI's name,
+    so that the generated key reference (``python -m loong.core.config.docs``) covers every installed CLI."""
+
+    config_module: str
+    config_name: str
+    schema: str
+
+
 MODELS: Registry = Registry("model family")
 TASKS: Registry = Registry("task")
 ENGINES: Registry = Registry("engine")
 CONFIG_DIRS: Registry = Registry("config source")
+RUN_CONFIGS: Registry[RunConfigSource] = Registry("run config")
 
 ENGINES.add_lazy("megatron", "loong.core.engines.megatron.engine:MegatronEngine")
 ENGINES.add_lazy("fsdp", "loong.core.engines.fsdp.engine:FSDPEngine")

@@ -6,47 +6,62 @@ and adaptations; nothing here imports an engine's library.
 
 from __future__ import annotations
 
-import os
-import time
 from pathlib import Path
 from typing import Any
-
-import torch.distributed as dist
 
 from loong.core.accelerators import select_accelerator
 from loong.core.checkpoint import newest_good, read_config, read_state, resolve_checkpoint, verify_checkpoint
 from loong.core.config import compose_config, from_dict, to_dict
+from loong.core.engines.base import num_microbatches
 from loong.core.errors import LoongError
 from loong.core.registry import ENGINES, TASKS
+from loong.core.run_dir import fresh_start, new_run_note, run_directory
 from loong.core.trainer import Trainer, TrainResult
 
 
-def _run_dir(cfg: Any) -> Path:
-    name = cfg.run_name
-    if name is None:
-        preset = getattr(cfg.model, "preset", None) or "run"
-        # A launcher that may restart the run (--max-restarts) fixes the stamp for every attempt.
-        stamp = [f"{preset}-{os.environ.get('LOONG_RUN_STAMP') or time.strftime('%Y%m%d-%H%M%S')}"]
-        if dist.is_initialized():
-            dist.broadcast_object_list(stamp, src=0)  # one name for every rank
-        name = stamp[0]
-    return Path(cfg.output_dir) / name
-
-
 def _find_resume(cfg: Any, run_dir: Path, echo: Any) -> Path | None:
-    """The checkpoint to continue from (collective: ranks share the checksum work)."""
+    """The checkpoint to continue from (collective: ranks share the checksum work).
+
+    ``auto``: the run directory's newest good checkpoint. A path: that checkpoint, except that a weights-only one
+    (``convert``'s output, a starting point rather than a state) gives way to the run's own newest checkpoint once
+    the run has one, so that rerunning the command continues the run instead of starting it again.
+    """
     resume = cfg.train.resume
     checksums = cfg.train.checkpoint_checksums
-    if resume in ("none", "never", ""):
+    if fresh_start(cfg):
         return None
-    if resume == "auto":
+
+    def own() -> Path | None:
         found, skipped = newest_good(run_dir / "checkpoints", checksums)
         for step_dir, why in skipped:
             echo(f"skipping checkpoint {step_dir.name}: {why}")
         return found
+
+    if resume == "auto":
+        return own()
     step_dir = resolve_checkpoint(resume, verify=False)
     verify_checkpoint(step_dir, checksums)
+    if read_state(step_dir).get("weights_only") and (mine := own()) is not None:
+        echo(f"train.resume={resume} started this run; continuing its own newest checkpoint")
+        return mine
     return step_dir
+
+
+def _finished(cfg: Any, run_dir: Path, checkpoint: Path | None) -> int | None:
+    """The step of ``checkpoint`` when it leaves nothing to train (at or past ``train.steps``), else None.
+
+    The run's own checkpoint: a finished run (the caller says so and returns). Another run's, named by
+    ``train.resume``: an error, since the run asked for cannot continue from it."""
+    if checkpoint is None:
+        return None
+    state = read_state(checkpoint)
+    step = int(state["step"])
+    if state.get("weights_only") or step == 0 or step < cfg.train.steps:
+        return None
+    if checkpoint.parent.resolve() != (run_dir / "checkpoints").resolve():
+        raise LoongError(f"{checkpoint} is already at step {step} >= train.steps={cfg.train.steps}; raise "
+                         "train.steps to continue")
+    return step
 
 
 def _with_model_overrides(model: dict, overrides: list[str]) -> dict:
@@ -88,16 +103,23 @@ def run(cfg: Any, echo: Any = print) -> TrainResult:
     with engine_cls.activate(accelerator):
         layout = engine_cls.init_layout(accelerator, cfg)
         try:
+            log = echo if layout.is_logging_rank else (lambda _m: None)
+            num_microbatches(cfg, layout.dp)  # batch sizes that do not divide over dp fail before any data or model
+            run_dir = run_directory(cfg, plain)
+            checkpoint = _find_resume(cfg, run_dir, log)
+            done = _finished(cfg, run_dir, checkpoint)
+            if done is not None:
+                log(f"{run_dir} is finished: its checkpoint {checkpoint.name} is at step {done} of train.steps="
+                    f"{cfg.train.steps}; nothing to train (raise train.steps to continue it, or train.resume=none "
+                    "for a new run)")
+                return TrainResult(run_dir, done, None, None, checkpoint, already_finished=True,
+                                   is_logging_rank=layout.is_logging_rank)
+            if checkpoint is None and layout.is_logging_rank and (note := new_run_note(cfg, plain, run_dir)):
+                log(note)
             engine_cls.seed(cfg.train.seed, accelerator, layout)
             task = task_cls(cfg, accelerator, layout)
             task.setup_data()
-            run_dir = task.run_dir = _run_dir(cfg)
-            checkpoint = _find_resume(cfg, run_dir, echo if layout.is_logging_rank else (lambda _m: None))
-            if checkpoint is not None and 0 < read_state(checkpoint)["step"] >= cfg.train.steps:
-                raise LoongError(
-                    f"{checkpoint} is already at step {read_state(checkpoint)['step']} >= "
-                    f"train.steps={cfg.train.steps}; raise train.steps to continue"
-                )
+            task.run_dir = run_dir
             engine = engine_cls(task, cfg, accelerator, layout, fresh=checkpoint is None)
             trainer = Trainer(cfg, plain, task, engine, layout, accelerator, run_dir)
             start = 0
@@ -110,6 +132,8 @@ def run(cfg: Any, echo: Any = print) -> TrainResult:
             if layout.is_logging_rank:
                 echo(f"run directory: {run_dir}  ({accelerator.name}, {cfg.engine} engine, world "
                      f"{layout.world_size}: {layout.describe()})")
-            return trainer.fit(start)
+            result = trainer.fit(start)
+            result.rerun_continues = not fresh_start(cfg)
+            return result
         finally:
             engine_cls.shutdown(layout)

@@ -8,9 +8,17 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
+from loong.core.config.checks import (
+    KEEPS_RUN,
+    Check,
+    ExistingDir,
+    NonEmptyStr,
+    PositiveFloat,
+    PositiveInt,
+    Probability,
+)
 from loong.core.config.schema import RunConfig, TrainConfig
 from loong.core.errors import LoongError
 from loong.diffusion.models.wan.config import PRESETS, WanConfig, wan_preset
@@ -30,28 +38,28 @@ class WanModelConfig:
     a diffusers ``WanTransformer3DModel`` folder whose weights start a fresh run (its config must equal this one).
     """
 
-    preset: str = "tiny"
-    num_heads: int | None = None
-    head_dim: int | None = None
-    ffn_dim: int | None = None
-    num_layers: int | None = None
-    in_channels: int | None = None
-    out_channels: int | None = None
-    text_dim: int | None = None
-    freq_dim: int | None = None
-    patch_size: list[int] | None = None
+    preset: NonEmptyStr = "tiny"
+    num_heads: PositiveInt | None = None
+    head_dim: PositiveInt | None = None
+    ffn_dim: PositiveInt | None = None
+    num_layers: PositiveInt | None = None
+    in_channels: PositiveInt | None = None
+    out_channels: PositiveInt | None = None
+    text_dim: PositiveInt | None = None
+    freq_dim: PositiveInt | None = None
+    patch_size: list[PositiveInt] | None = None
     cross_attn_norm: bool | None = None
-    qk_norm: str | None = None
-    eps: float | None = None
-    image_dim: int | None = None
-    added_kv_proj_dim: int | None = None
-    pos_embed_seq_len: int | None = None
-    rope_max_seq_len: int | None = None
-    experts: int | None = None
-    boundary_ratio: float | None = None
+    qk_norm: NonEmptyStr | None = None
+    eps: PositiveFloat | None = None
+    image_dim: PositiveInt | None = None
+    added_kv_proj_dim: PositiveInt | None = None
+    pos_embed_seq_len: PositiveInt | None = None
+    rope_max_seq_len: PositiveInt | None = None
+    experts: Annotated[int, Check(ge=1, le=2)] | None = None
+    boundary_ratio: Annotated[float, Check(gt=0, lt=1)] | None = None
     expand_timesteps: bool | None = None
     recompute: Literal["none", "full", "selective"] = "none"
-    init_from_diffusers: str | None = None
+    init_from_diffusers: ExistingDir | None = None
     expert: Literal["both", "high_noise", "low_noise"] = "both"
 
     def wan(self) -> WanConfig:
@@ -66,9 +74,6 @@ class WanModelConfig:
         if self.expert != "both" and wan.experts == 1:
             raise LoongError(f"{path}.expert={self.expert}: model.preset={self.preset} has one expert; "
                              "high_noise/low_noise pick one of the two experts of a Wan 2.2 A14B preset")
-        if self.init_from_diffusers is not None and not Path(self.init_from_diffusers).is_dir():
-            raise LoongError(f"{path}.init_from_diffusers: {self.init_from_diffusers} is not a folder "
-                             "(expected a diffusers WanTransformer3DModel folder with config.json)")
 
 
 @dataclass
@@ -96,44 +101,27 @@ class SyntheticVideoConfig:
     source: Literal["synthetic", "shards"] = "synthetic"
     path: str | None = None
 
-    num_clips: int = 64
-    num_classes: int = 8
-    frames: int = 4
-    height: int = 16
-    width: int = 16
-    text_len: int = 8
-    text_drop_prob: float = 0.1
-    seed: int = 0
-    sizes: list[list[int]] | None = None
-    pack_tokens: int = 0
-    image_len: int = 257
-    image_cond_prob: float = 0.5
+    num_clips: PositiveInt = 64
+    num_classes: PositiveInt = 8
+    frames: PositiveInt = 4
+    height: PositiveInt = 16
+    width: PositiveInt = 16
+    text_len: PositiveInt = 8
+    text_drop_prob: Probability = 0.1
+    seed: Annotated[int, Check(ge=0, le=2**32 - 1)] = 0
+    sizes: Annotated[list[list[PositiveInt]], Check(nonempty=True)] | None = None
+    pack_tokens: Annotated[int, Check(ge=0, note="0: no packing")] = 0
+    image_len: Annotated[int, Check(ge=1, note="ViT-H/14 at 224 px: 257")] = 257
+    image_cond_prob: Probability = 0.5
 
     def latent_sizes(self) -> list[tuple[int, int, int]]:
         """The synthetic clips' latent ``(frames, height, width)`` sizes: ``sizes``, or the one size."""
         return [tuple(s) for s in self.sizes] if self.sizes else [(self.frames, self.height, self.width)]  # type: ignore[misc]
 
     def validate(self, path: str) -> None:
-        for name in ("num_clips", "num_classes", "frames", "height", "width", "text_len"):
-            if getattr(self, name) < 1:
-                raise LoongError(f"{path}.{name}: must be >= 1, got {getattr(self, name)}")
         for i, size in enumerate(self.sizes or []):
-            if len(size) != 3 or min(size) < 1:
-                raise LoongError(f"{path}.sizes[{i}]: a latent size [frames, height, width] of integers >= 1, "
-                                 f"got {size}")
-        if self.sizes is not None and not self.sizes:
-            raise LoongError(f"{path}.sizes: give at least one [frames, height, width], or null for the one size "
-                             f"{path}.frames x height x width")
-        if self.pack_tokens < 0:
-            raise LoongError(f"{path}.pack_tokens: video tokens per packed micro-batch, >= 1 (0: no packing); "
-                             f"got {self.pack_tokens}")
-        if not 0.0 <= self.text_drop_prob <= 1.0:
-            raise LoongError(f"{path}.text_drop_prob: a probability in [0, 1], got {self.text_drop_prob}")
-        if not 0.0 <= self.image_cond_prob <= 1.0:
-            raise LoongError(f"{path}.image_cond_prob: a probability in [0, 1], got {self.image_cond_prob}")
-        if self.image_len < 1:
-            raise LoongError(f"{path}.image_len: CLIP tokens per image, >= 1 (ViT-H/14 at 224 px: 257), "
-                             f"got {self.image_len}")
+            if len(size) != 3:
+                raise LoongError(f"{path}.sizes[{i}]={size}: a latent size [frames, height, width] of integers >= 1")
         if self.source == "shards":
             if not self.path:
                 raise LoongError(f"{path}.path: required with {path}.source=shards (the output folder of "
@@ -154,28 +142,21 @@ class DiffusionTrainConfig(TrainConfig):
 
     timestep_sampling: Literal["uniform", "logit_normal"] = "uniform"
     logit_mean: float = 0.0
-    logit_std: float = 1.0
-    timestep_shift: float = 1.0
+    logit_std: PositiveFloat = 1.0
+    timestep_shift: Annotated[float, Check(gt=0, note="1: no shift")] = 1.0
     # loong-diffusion's name for the core's save_hf: either writes the trained weights (train.export_ema: their
     # moving averages) to <run>/hf/ as a diffusers WanTransformer3DModel folder; one export, two spellings
-    save_diffusers: bool = False
+    save_diffusers: Annotated[bool, KEEPS_RUN] = False
     # every preview_interval steps (0: never) a GIF of the synthetic classes denoised in preview_steps UniPC steps
     # with guidance preview_guidance, the latents shown as colours, at <run>/previews/step_N.gif: what
     # `loong-diffusion sample RUN --seed <train.seed> --steps <preview_steps> --guidance <preview_guidance>` draws
-    preview_interval: int = 0
-    preview_steps: int = 20
-    preview_guidance: float = 5.0
+    preview_interval: Annotated[int, Check(ge=0, note="0: never"), KEEPS_RUN] = 0
+    preview_steps: Annotated[int, Check(ge=1), KEEPS_RUN] = 20
+    preview_guidance: Annotated[float, Check(ge=0), KEEPS_RUN] = 5.0
 
     def validate(self, path: str) -> None:
         super().validate(path)
         self.save_hf = self.save_diffusers = self.save_hf or self.save_diffusers
-        if self.preview_interval < 0 or self.preview_steps < 1:
-            raise LoongError(f"{path}.preview_interval / {path}.preview_steps: steps between previews (>= 0, 0: none) "
-                             f"and denoising steps (>= 1), got {self.preview_interval} and {self.preview_steps}")
-        if self.timestep_shift <= 0:
-            raise LoongError(f"{path}.timestep_shift: must be > 0 (1 = no shift), got {self.timestep_shift}")
-        if self.logit_std <= 0:
-            raise LoongError(f"{path}.logit_std: must be > 0, got {self.logit_std}")
 
 
 @dataclass

@@ -2,11 +2,27 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Annotated, Literal
 
+from loong.core.config.checks import Check, NonEmptyStr
 from loong.core.config.schema import DataConfig, RunConfig
+from loong.core.errors import LoongError
 from loong.llm.models.config import DenseModelConfig
+
+
+def split_weights(split: str) -> list[float]:
+    """``data.split`` (``"969,30,1"``) as its train/valid/test weights; LoongError when it is not one."""
+    parts = [p.strip() for p in str(split).split(",")]
+    try:
+        vector = [float(p) for p in parts]
+    except ValueError:
+        vector = []
+    if not 1 <= len(vector) <= 3 or any(v < 0 or not math.isfinite(v) for v in vector) or not vector[0] > 0:
+        raise LoongError(f"data.split: expected up to three non-negative train,valid,test weights "
+                         f"with train > 0 (e.g. 969,30,1), got {split!r}")
+    return vector
 
 
 @dataclass
@@ -18,13 +34,16 @@ class LLMDataConfig(DataConfig):
     ``[0.7, a, 0.3, b]``). SFT reads chat data from ``path``.
     """
 
-    paths: list | None = None
-    split: str = "969,30,1"
+    paths: list | None = None  # checked with the files it names (loong.llm.data.indexed.parse_blend)
+    split: Annotated[str, Check(note="up to three train,valid,test weights, train > 0")] = "969,30,1"
     on_error: Literal["raise", "skip"] = "raise"
     chat_format: Literal["auto", "messages", "sharegpt", "alpaca"] = "auto"
-    chat_template: str = "auto"
+    chat_template: NonEmptyStr = "auto"  # a name or a .jinja file (loong.llm.sft.templates.check_template_name)
     packing: bool = True
     overlong: Literal["truncate", "drop"] = "truncate"
+
+    def validate(self, path: str) -> None:
+        split_weights(self.split)
 
 
 @dataclass

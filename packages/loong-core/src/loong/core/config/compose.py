@@ -17,6 +17,7 @@ from hydra.errors import HydraException
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from loong.core.config.checks import check_paths
 from loong.core.config.schema import from_dict, schema_keys, to_dict
 from loong.core.errors import LoongError, did_you_mean
 from loong.core.registry import CONFIG_DIRS
@@ -104,7 +105,8 @@ def compose_config(
 ) -> tuple[Any, dict]:
     """Compose ``config_name`` from ``config_module`` plus ``overrides`` and validate it.
 
-    Returns the typed config (an instance of ``schema``) and the resolved plain dict.
+    Returns the typed config (an instance of ``schema``) and the resolved plain dict. Every value is checked
+    (:func:`~loong.core.config.schema.from_dict`), paths that must exist included (:func:`check_paths`).
     """
     overrides = list(overrides)
     groups = config_groups(config_module)
@@ -122,4 +124,6 @@ def compose_config(
     except (HydraException, OmegaConfBaseException) as exc:
         raise LoongError(f"config: {str(exc).splitlines()[0]}") from None
     plain.pop("hydra", None)
-    return from_dict(schema, plain), plain
+    cfg = from_dict(schema, plain)
+    check_paths(cfg)
+    return cfg, plain

@@ -1,14 +1,57 @@
-"""Typed run schemas and a validator that names the dotted path and the closest valid key."""
+"""Typed run schemas and a validator that names the dotted path, the value and what is allowed.
+
+Every key is checked in one mechanism, :func:`from_dict`, from its field's annotation:
+
+- the type (``int``, ``float``, ``bool``, ``str``, lists, nested schemas, ``X | None``); every ``float`` must be
+  finite (no NaN or Inf anywhere);
+- ``Literal[...]``: one of the choices (with the closest one suggested);
+- ``Annotated[T, Check(...), ...]`` (:mod:`loong.core.config.checks`): bounds (``Check(ge=1)``; the aliases
+  ``PositiveInt``, ``NonNegativeInt``, ``PositiveFloat``, ``NonNegativeFloat``, ``Probability``), values allowed
+  besides them (``Check(ge=1, also=(-1,))``), non-empty strings and lists, and paths that must exist
+  (``Check(path="dir")``, checked by :func:`~loong.core.config.checks.check_paths` when a run starts, not when a
+  saved config is read back);
+- :data:`~loong.core.config.checks.KEEPS_RUN` in the annotation marks a key that does not change what is trained
+  (cadences, where to write, what to do on a failure): a rerun that changes only such keys continues the run;
+- then the schema's ``validate(path)`` method, for what involves several keys (``min_lr <= lr``, batch sizes that
+  divide). What needs the world size (``global_batch_size % (micro_batch_size * dp)``) or the model (``pp`` and the
+  layers) is checked by the walk, the engine and the task, still before anything is written.
+
+A failure is a :class:`~loong.core.errors.LoongError` naming the dotted key, the value and what is allowed
+(``train.steps=-5: must be >= 1``). ``python -m loong.core.config.docs`` writes the reference of every key of every
+installed CLI's schema into ``docs/configuration.md`` from these annotations.
+"""
 
 from __future__ import annotations
 
 import dataclasses
-import types
+import math
 import typing
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
+from loong.core.config.checks import (
+    KEEPS_RUN,
+    Check,
+    ExistingDir,
+    ExistingFile,
+    NonEmptyStr,
+    NonNegativeFloat,
+    NonNegativeInt,
+    PositiveFloat,
+    PositiveInt,
+    Probability,
+    describe,
+    hints,
+    show,
+    split,
+    union_arms,
+)
 from loong.core.errors import LoongError, did_you_mean
+
+#: ``parallel.dp_replicate`` / ``parallel.dp_shard``: a size, or -1 for what the world leaves
+MeshSize = Annotated[int, Check(ge=1, also=(-1,), note="-1: what the world leaves")]
+#: a decay or moment coefficient in [0, 1)
+Decay = Annotated[float, Check(ge=0, lt=1)]
 
 
 @dataclass
@@ -23,19 +66,24 @@ class ParallelConfig:
     (parameters, gradients and optimiser state in host memory; the optimiser steps on the CPU).
     """
 
-    tp: int = 1
-    pp: int = 1
-    vpp: int | None = None
-    cp: int = 1
-    ep: int = 1
-    etp: int | None = None
+    tp: PositiveInt = 1
+    pp: PositiveInt = 1
+    vpp: PositiveInt | None = None
+    cp: PositiveInt = 1
+    ep: PositiveInt = 1
+    etp: PositiveInt | None = None
     sequence_parallel: bool = False
     fsdp: Literal["full", "hybrid", "none"] = "full"
-    dp_replicate: int = -1
-    dp_shard: int = -1
-    cp_ulysses: int = 1
-    cp_ring: int = 1
+    dp_replicate: MeshSize = -1
+    dp_shard: MeshSize = -1
+    cp_ulysses: PositiveInt = 1
+    cp_ring: PositiveInt = 1
     fsdp_cpu_offload: bool = False
+
+    def validate(self, path: str) -> None:
+        if self.vpp is not None and self.pp == 1:
+            raise LoongError(f"{path}.vpp={self.vpp}: virtual pipeline stages need pipeline parallelism; set "
+                             f"{path}.pp > 1 or drop {path}.vpp")
 
 
 @dataclass
@@ -48,20 +96,14 @@ class BalanceConfig:
     """
 
     enabled: bool = False
-    cost: str | list[float] = "flops"
-    fit_steps: int = 8
+    cost: Literal["flops", "fit"] | list[NonNegativeFloat] = "flops"
+    fit_steps: PositiveInt = 8
 
     def validate(self, path: str) -> None:
-        if isinstance(self.cost, str):
-            if self.cost not in ("flops", "fit"):
-                raise LoongError(f"{path}.cost: {self.cost!r} is not 'flops', 'fit' or a list [a, b, c]"
-                                 f"{did_you_mean(self.cost, ['flops', 'fit'])}")
-        elif len(self.cost) not in (3, 5) or any(c < 0 for c in self.cost):
+        if not isinstance(self.cost, str) and len(self.cost) not in (3, 5):
             raise LoongError(f"{path}.cost: expected three non-negative coefficients [a, b, c] "
                              f"(cost = a*len^2 + b*len + c), or five with the encoder's [.., enc_a, enc_b], "
                              f"got {self.cost}")
-        if self.fit_steps < 1:
-            raise LoongError(f"{path}.fit_steps: must be >= 1, got {self.fit_steps}")
 
 
 @dataclass
@@ -70,9 +112,9 @@ class DataConfig:
 
     path: str | None = None
     format: Literal["auto", "text", "jsonl"] = "auto"
-    text_field: str = "text"
-    tokenizer: str | None = None
-    valid_fraction: float = 0.05
+    text_field: NonEmptyStr = "text"
+    tokenizer: ExistingDir | None = None
+    valid_fraction: Annotated[float, Check(ge=0, lt=1)] = 0.05
     balance: BalanceConfig = field(default_factory=BalanceConfig)
 
 
@@ -80,20 +122,21 @@ class DataConfig:
 class TrainConfig:
     """The optimisation schedule, batch shape, cadences and run-level switches."""
 
-    steps: int = 200
-    seq_length: int = 128
-    global_batch_size: int = 16
-    micro_batch_size: int = 4
-    lr: float = 3e-3
-    min_lr: float = 3e-4
-    warmup_steps: int = 10
+    # train.steps keeps the run: raising it continues a finished run (the LR schedule then spans the new total)
+    steps: Annotated[int, Check(ge=1), KEEPS_RUN] = 200
+    seq_length: PositiveInt = 128
+    global_batch_size: PositiveInt = 16
+    micro_batch_size: PositiveInt = 4
+    lr: NonNegativeFloat = 3e-3
+    min_lr: NonNegativeFloat = 3e-4
+    warmup_steps: NonNegativeInt = 10
     lr_decay_style: Literal["cosine", "linear", "constant"] = "cosine"
-    weight_decay: float = 0.1
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.95
-    adam_eps: float = 1e-8
-    clip_grad: float = 1.0
-    seed: int = 1234
+    weight_decay: NonNegativeFloat = 0.1
+    adam_beta1: Decay = 0.9
+    adam_beta2: Decay = 0.95
+    adam_eps: PositiveFloat = 1e-8
+    clip_grad: Annotated[float, Check(ge=0, note="0: no clipping")] = 1.0
+    seed: Annotated[int, Check(ge=0, le=2**32 - 1)] = 1234
     precision: Literal["auto", "bf16", "fp32"] = "auto"
     distributed_optimizer: bool = False
     # torch AdamW's implementation (megatron-core's optimizer without Apex/TE): "auto" is the accelerator's
@@ -107,39 +150,41 @@ class TrainConfig:
     # of device memory for a host round trip per step. Needs train.distributed_optimizer=true and an accelerator
     # that can (CUDA); optimizer_offload_fraction < 1 keeps that share of the parameters' state on the device.
     optimizer_cpu_offload: bool = False
-    optimizer_offload_fraction: float = 1.0
-    log_interval: int = 1
-    eval_interval: int = 50
-    eval_iters: int = 2
-    save_interval: int = 0
-    save_final: bool = True
-    keep_last: int = 2
-    async_save: bool = False
-    checkpoint_checksums: bool = True
-    on_nonfinite: Literal["stop", "skip", "rollback"] = "stop"
+    optimizer_offload_fraction: Probability = 1.0
+    log_interval: Annotated[int, Check(ge=1), KEEPS_RUN] = 1
+    eval_interval: Annotated[int, Check(ge=0, note="0: never"), KEEPS_RUN] = 50
+    eval_iters: Annotated[int, Check(ge=0, note="0: no evaluation"), KEEPS_RUN] = 2
+    save_interval: Annotated[int, Check(ge=0, note="0: only at the end"), KEEPS_RUN] = 0
+    save_final: Annotated[bool, KEEPS_RUN] = True
+    keep_last: Annotated[int, Check(ge=0, note="0: keep all"), KEEPS_RUN] = 2
+    async_save: Annotated[bool, KEEPS_RUN] = False
+    checkpoint_checksums: Annotated[bool, KEEPS_RUN] = True
+    on_nonfinite: Annotated[Literal["stop", "skip", "rollback"], KEEPS_RUN] = "stop"
     # hooks on every module's gradients that name where a backward first produces NaN/Inf (slow: for debugging)
-    nonfinite_probe: bool = False
-    resume: str = "auto"
-    save_hf: bool = False
-    progress: bool = True
-    time_limit_s: float = 0.0
-    profile_steps: list[int] = field(default_factory=list)
+    nonfinite_probe: Annotated[bool, KEEPS_RUN] = False
+    # auto (this run's newest good checkpoint), none (a fresh run), or a checkpoint path (checked by the walk)
+    resume: Annotated[str, Check(nonempty=True), KEEPS_RUN] = "auto"
+    save_hf: Annotated[bool, KEEPS_RUN] = False
+    progress: Annotated[bool, KEEPS_RUN] = True
+    time_limit_s: Annotated[float, Check(ge=0, note="0: none"), KEEPS_RUN] = 0.0
+    profile_steps: Annotated[list[PositiveInt], KEEPS_RUN] = field(default_factory=list)
     # fsdp engine: torch.compile each block (graph breaks are printed once, after the first step)
     compile: bool = False
     # fsdp engine: an exponential moving average of the (fp32, sharded) weights, updated after every optimiser step,
     # ema = decay·ema + (1 − decay)·weights (0: off); saved in checkpoints. export_ema: train.save_hf writes the EMA
-    ema_decay: float = 0.0
-    export_ema: bool = False
+    ema_decay: Annotated[float, Check(ge=0, lt=1, note="0: off; e.g. 0.999")] = 0.0
+    export_ema: Annotated[bool, KEEPS_RUN] = False
 
     def validate(self, path: str) -> None:
-        if not 0.0 <= self.ema_decay < 1.0:
-            raise LoongError(f"{path}.ema_decay: 0 (off) or a decay in (0, 1) such as 0.999, got {self.ema_decay}")
         if self.export_ema and self.ema_decay == 0.0:
             raise LoongError(f"{path}.export_ema=true exports the EMA of the weights, but {path}.ema_decay=0 keeps "
                              f"none; set {path}.ema_decay (e.g. 0.999) or drop {path}.export_ema")
-        if self.lr < 0 or self.min_lr < 0:
-            raise LoongError(f"{path}.lr / {path}.min_lr: learning rates must be >= 0, got lr={self.lr}, "
-                             f"min_lr={self.min_lr}")
+        if self.global_batch_size % self.micro_batch_size:
+            raise LoongError(f"{path}.global_batch_size={self.global_batch_size} is not divisible by "
+                             f"{path}.micro_batch_size={self.micro_batch_size}")
+        if self.profile_steps and (len(self.profile_steps) != 2 or self.profile_steps[0] > self.profile_steps[1]):
+            raise LoongError(f"{path}.profile_steps={self.profile_steps}: give [start, end] with 1 <= start <= end "
+                             "(1-based steps, both profiled), or [] for none")
         if self.min_lr > self.lr:
             raise LoongError(f"{path}.min_lr={self.min_lr} is above {path}.lr={self.lr}: the schedule decays from lr "
                              f"to min_lr; lower {path}.min_lr (e.g. {path}.min_lr={self.lr / 10:g})")
@@ -159,28 +204,21 @@ class PrecisionConfig:
     """
 
     fp8: Literal["off", "tensorwise", "rowwise", "blockwise", "adaptive"] = "off"
-    fp8_adaptive_threshold: float = 1.1
+    fp8_adaptive_threshold: Annotated[float, Check(gt=0, note="a speedup factor such as 1.1")] = 1.1
     fp8_adaptive_recipe: Literal["tensorwise", "rowwise", "blockwise"] = "tensorwise"
     fp8_probe: bool = True
-    fp8_table: str | None = None
-    fp8_exclude: list[str] = field(default_factory=list)
-
-    def validate(self, path: str) -> None:
-        if self.fp8_adaptive_threshold <= 0:
-            raise LoongError(f"{path}.fp8_adaptive_threshold: must be > 0 (a speedup factor such as 1.1), "
-                             f"got {self.fp8_adaptive_threshold}")
-        if not all(isinstance(p, str) and p for p in self.fp8_exclude):
-            raise LoongError(f"{path}.fp8_exclude: expected a list of layer-name globs, got {self.fp8_exclude!r}")
+    fp8_table: ExistingFile | None = None
+    fp8_exclude: list[NonEmptyStr] = field(default_factory=list)
 
 
 @dataclass
 class RunConfig:
     """The root of a run's config. Modalities subclass it to type ``model`` with their schema."""
 
-    task: str = "llm.pretrain"
-    engine: str = "megatron"
-    run_name: str | None = None
-    output_dir: str = "outputs"
+    task: NonEmptyStr = "llm.pretrain"
+    engine: NonEmptyStr = "megatron"
+    run_name: Annotated[str, Check(nonempty=True), KEEPS_RUN] | None = None
+    output_dir: Annotated[str, Check(nonempty=True), KEEPS_RUN] = "outputs"
     model: Any = None
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
@@ -193,31 +231,56 @@ class RunConfig:
                              "set train.precision=bf16 (or auto on a GPU) or precision.fp8=off")
 
 
-def _type_name(tp: Any) -> str:
-    return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
+def _shape_matches(value: Any, tp: Any) -> bool:
+    """Whether ``value`` is of the kind annotation ``tp`` takes (a list for a list, a string for a Literal of
+    strings): the union arm whose error is worth showing."""
+    base, _ = split(tp)
+    origin = typing.get_origin(base)
+    if origin is Literal:
+        return any(type(c) is type(value) for c in typing.get_args(base))
+    if origin in (list, tuple):
+        return isinstance(value, (list, tuple))
+    if dataclasses.is_dataclass(base) or base is dict or origin is dict:
+        return isinstance(value, dict)
+    if base is bool:
+        return isinstance(value, bool)
+    if base in (int, float):
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    return isinstance(base, type) and isinstance(value, base)
 
 
 def _coerce(value: Any, tp: Any, path: str) -> Any:
     """Check ``value`` against annotation ``tp`` (light coercion: int→float), raising LoongError."""
+    base, meta = split(tp)
+    if meta:
+        value = _coerce(value, base, path)
+        for m in meta:
+            if isinstance(m, Check):
+                m.check(value, path)
+        return value
     origin = typing.get_origin(tp)
     if tp is Any:
         return value
-    if origin in (typing.Union, types.UnionType):
-        args = typing.get_args(tp)
-        if value is None and type(None) in args:
+    arms = union_arms(tp)
+    if arms is not None:
+        if value is None and type(None) in arms:
             return None
+        options = [a for a in arms if a is not type(None)]
         errors = []
-        for arg in args:
-            if arg is type(None):
-                continue
+        for arm in options:
             try:
-                return _coerce(value, arg, path)
+                return _coerce(value, arm, path)
             except LoongError as exc:
-                errors.append(str(exc))
-        raise LoongError(errors[0] if errors else f"{path}: invalid value {value!r}")
+                errors.append((arm, str(exc)))
+        # one arm, or the one arm of the value's kind: its own message; else what each arm takes (always with a
+        # bool arm: a mistyped true/false reads as a string)
+        matching = [msg for arm, msg in errors if _shape_matches(value, arm)]
+        if len(options) == 1 or (len(matching) == 1 and bool not in options):
+            raise LoongError(errors[0][1] if len(options) == 1 else matching[0])
+        raise LoongError(f"{path}: {show(value)} is not {describe(tp)}")
     if origin is Literal:
         choices = typing.get_args(tp)
-        if value not in choices:
+        if value not in choices or type(value) not in {type(c) for c in choices}:
             extra = did_you_mean(str(value), [str(c) for c in choices])
             raise LoongError(f"{path}: {value!r} is not one of {list(choices)}{extra}")
         return value
@@ -244,6 +307,8 @@ def _coerce(value: Any, tp: Any, path: str) -> Any:
         raise LoongError(f"{path}: expected an integer, got {value!r}")
     if tp is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
+            if not math.isfinite(value):
+                raise LoongError(f"{path}={value}: must be a finite number")
             return float(value)
         raise LoongError(f"{path}: expected a number, got {value!r}")
     if tp is str:
@@ -256,15 +321,16 @@ def _coerce(value: Any, tp: Any, path: str) -> Any:
 
 
 def from_dict(cls: type, data: dict, path: str = "") -> Any:
-    """Build dataclass ``cls`` from ``data``; unknown keys fail with their dotted path and closest key."""
-    hints = typing.get_type_hints(cls)
+    """Build dataclass ``cls`` from ``data``, checking every key (see the module docstring); unknown keys fail
+    with their dotted path and the closest key. Paths that must exist are :func:`check_paths`'s."""
+    annotations = hints(cls)
     names = [f.name for f in dataclasses.fields(cls)]
     kwargs = {}
     for key, value in data.items():
         dotted = f"{path}.{key}" if path else str(key)
         if key not in names:
             raise LoongError(f"unknown config key '{dotted}'{did_you_mean(str(key), names)}")
-        kwargs[key] = _coerce(value, hints[key], dotted)
+        kwargs[key] = _coerce(value, annotations[key], dotted)
     obj = cls(**kwargs)
     check = getattr(obj, "validate", None)
     if callable(check):

@@ -46,6 +46,10 @@ class TrainResult:
     hf_dir: Path | None = None
     summary: dict[str, Any] = field(default_factory=dict)
     is_logging_rank: bool = True
+    #: the run directory's checkpoint was already at ``train.steps``: nothing was trained or written
+    already_finished: bool = False
+    #: whether rerunning the same command continues this run (not with ``train.resume=none``)
+    rerun_continues: bool = True
 
 
 class _StopFlag:

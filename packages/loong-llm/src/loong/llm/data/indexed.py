@@ -22,6 +22,7 @@ import numpy as np
 
 from loong.core.errors import LoongError
 from loong.llm.data.tokenizer import Tokenizer
+from loong.llm.schema import split_weights
 
 
 @dataclass
@@ -169,13 +170,7 @@ class IndexedSamples:
 
 def _split_matrix(split: str) -> list:
     parts = [p.strip() for p in str(split).split(",")]
-    try:
-        vector = [float(p) for p in parts]
-    except ValueError:
-        vector = []
-    if not 1 <= len(vector) <= 3 or any(v < 0 or math.isinf(v) for v in vector) or not vector[0] > 0:
-        raise LoongError(f"data.split: expected up to three non-negative train,valid,test weights "
-                         f"with train > 0 (e.g. 969,30,1), got {split!r}")
+    split_weights(split)  # checked by the schema too; this is also called with splits built in code
     from megatron.core.datasets.blended_megatron_dataset_config import (
         convert_split_vector_to_split_matrix,
         parse_and_normalize_split,

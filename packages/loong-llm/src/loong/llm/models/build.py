@@ -208,13 +208,13 @@ def build_gpt_model(
     vp_stage: int | None = None,
     *,
     fused_kernels: FusedKernels | None = None,
-    model_class: Callable[..., LoongGPTModel] = LoongGPTModel,
+    model_class: Callable[..., LoongGPTModel] | None = None,
 ) -> GPTModel:
     """One pipeline chunk of the model.
 
     ``fused_kernels`` overrides the plan that ``model.fused_kernels`` and ``capabilities`` resolve to
     (:func:`~loong.llm.models.fused.resolve_fused_kernels`); tests use it to wire the fused modules with
-    the reference backend on CPU. ``model_class`` builds the chunk from the same arguments (a subclass of
+    the reference backend on CPU. ``model_class`` (None: LoongGPTModel) builds the chunk from the same arguments (a subclass of
     :class:`~loong.llm.models.gpt.LoongGPTModel`, or a ``partial`` of one with its own keywords: loong-vlm's
     foundation).
     """
@@ -246,7 +246,7 @@ def build_gpt_model(
                              pg_collection, vp_stage)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="GPTModel IS DEPRECATED")
-        gpt = model_class(  # LoongGPTModel: GPTModel whose RoPE follows position_ids (packed SFT)
+        gpt = (model_class or LoongGPTModel)(  # LoongGPTModel: GPTModel whose RoPE follows position_ids (packed SFT)
             config=config,
             transformer_layer_spec=spec,
             vocab_size=model.vocab_size,

@@ -4,8 +4,17 @@ DeepSeek-V3 with multi-latent attention)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Annotated, Literal
 
+from loong.core.config.checks import (
+    Check,
+    ExistingDir,
+    NonEmptyStr,
+    NonNegativeFloat,
+    NonNegativeInt,
+    PositiveFloat,
+    PositiveInt,
+)
 from loong.core.errors import LoongError
 
 
@@ -13,10 +22,10 @@ from loong.core.errors import LoongError
 class RopeScaling:
     """LLaMA 3.1-style frequency scaling (HF ``rope_scaling`` with ``rope_type: llama3``)."""
 
-    factor: float = 8.0
-    low_freq_factor: float = 1.0
-    high_freq_factor: float = 4.0
-    original_max_position_embeddings: int = 8192
+    factor: PositiveFloat = 8.0
+    low_freq_factor: PositiveFloat = 1.0
+    high_freq_factor: PositiveFloat = 4.0
+    original_max_position_embeddings: PositiveInt = 8192
 
 
 @dataclass
@@ -25,22 +34,23 @@ class YarnScaling:
     ``beta_fast``/``beta_slow`` bound the interpolation ramp, ``mscale``/``mscale_all_dim`` set the attention
     temperature (cos/sin times ``m(mscale)/m(mscale_all_dim)``, the softmax scale times ``m(mscale_all_dim)²``)."""
 
-    factor: float = 40.0
-    original_max_position_embeddings: int = 4096
-    beta_fast: float = 32.0
-    beta_slow: float = 1.0
-    mscale: float = 1.0
-    mscale_all_dim: float = 0.0
+    factor: PositiveFloat = 40.0
+    original_max_position_embeddings: PositiveInt = 4096
+    beta_fast: PositiveFloat = 32.0
+    beta_slow: PositiveFloat = 1.0
+    mscale: NonNegativeFloat = 1.0
+    mscale_all_dim: NonNegativeFloat = 0.0
 
 
 @dataclass
 class LoraConfig:
     """Low-rank adapters on the megatron linear layers; ``rank=0`` disables them."""
 
-    rank: int = 0
-    alpha: float = 16.0
-    dropout: float = 0.0
-    targets: list = field(default_factory=lambda: ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"])
+    rank: Annotated[int, Check(ge=0, note="0: off")] = 0
+    alpha: PositiveFloat = 16.0
+    dropout: Annotated[float, Check(ge=0, lt=1)] = 0.0
+    targets: Annotated[list[NonEmptyStr], Check(nonempty=True)] = field(
+        default_factory=lambda: ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"])
 
 
 @dataclass
@@ -86,55 +96,55 @@ class DenseModelConfig:
     """
 
     family: Literal["llama", "qwen2", "qwen3", "qwen3_moe", "deepseek_v3", "deepseek_v32"] = "llama"
-    preset: str = "custom"
-    num_layers: int = 2
-    hidden_size: int = 64
-    ffn_hidden_size: int = 256
-    num_attention_heads: int = 4
-    num_query_groups: int = 4
-    head_dim: int | None = None
-    vocab_size: int = 512
-    max_position_embeddings: int = 2048
-    rope_theta: float = 10000.0
+    preset: Annotated[str, Check(nonempty=True)] = "custom"
+    num_layers: PositiveInt = 2
+    hidden_size: PositiveInt = 64
+    ffn_hidden_size: PositiveInt = 256
+    num_attention_heads: PositiveInt = 4
+    num_query_groups: PositiveInt = 4
+    head_dim: PositiveInt | None = None
+    vocab_size: PositiveInt = 512
+    max_position_embeddings: PositiveInt = 2048
+    rope_theta: PositiveFloat = 10000.0
     rope_scaling: RopeScaling | None = None
     rope_yarn: YarnScaling | None = None
-    norm_eps: float = 1e-5
+    norm_eps: PositiveFloat = 1e-5
     tie_word_embeddings: bool = False
     qkv_bias: bool = False
     qk_norm: bool = False
-    init_std: float = 0.02
-    init_from_hf: str | None = None
+    init_std: NonNegativeFloat = 0.02
+    init_from_hf: ExistingDir | None = None
     fused_kernels: Literal["auto", "on", "off"] = "auto"
     recompute: Literal["none", "selective", "full"] = "none"
-    recompute_num_layers: int = 1
-    num_experts: int | None = None
-    moe_ffn_hidden_size: int | None = None
-    moe_router_topk: int = 2
+    recompute_num_layers: PositiveInt = 1
+    num_experts: PositiveInt | None = None
+    moe_ffn_hidden_size: PositiveInt | None = None
+    moe_router_topk: PositiveInt = 2
     norm_topk_prob: bool = True
-    moe_aux_loss_coeff: float = 0.001
+    moe_aux_loss_coeff: NonNegativeFloat = 0.001
     moe_token_dispatcher: Literal["alltoall", "allgather"] = "alltoall"
     moe_grouped_mm: bool | Literal["auto"] = "auto"
-    q_lora_rank: int | None = None
-    kv_lora_rank: int | None = None
-    qk_nope_head_dim: int = 128
-    qk_rope_head_dim: int = 64
-    v_head_dim: int = 128
-    moe_shared_experts: int = 0
-    first_k_dense_replace: int = 0
+    q_lora_rank: PositiveInt | None = None
+    kv_lora_rank: PositiveInt | None = None
+    qk_nope_head_dim: PositiveInt = 128
+    qk_rope_head_dim: PositiveInt = 64
+    v_head_dim: PositiveInt = 128
+    moe_shared_experts: NonNegativeInt = 0
+    first_k_dense_replace: NonNegativeInt = 0
     moe_router_score_function: Literal["softmax", "sigmoid"] = "softmax"
     moe_router_enable_expert_bias: bool = False
-    moe_router_bias_update_rate: float = 1e-3
-    moe_router_num_groups: int | None = None
-    moe_router_group_topk: int | None = None
-    moe_routed_scaling_factor: float | None = None
-    mtp_num_layers: int = 0
-    mtp_loss_scaling_factor: float = 0.1
-    index_n_heads: int = 64
-    index_head_dim: int = 128
-    index_topk: int = 2048
+    moe_router_bias_update_rate: NonNegativeFloat = 1e-3
+    moe_router_num_groups: PositiveInt | None = None
+    moe_router_group_topk: PositiveInt | None = None
+    moe_routed_scaling_factor: PositiveFloat | None = None
+    mtp_num_layers: NonNegativeInt = 0
+    mtp_loss_scaling_factor: NonNegativeFloat = 0.1
+    index_n_heads: PositiveInt = 64
+    index_head_dim: PositiveInt = 128
+    index_topk: PositiveInt = 2048
     dsa_stage: Literal["dense_warmup", "sparse"] = "sparse"
-    indexer_loss_coeff: float = 1.0
-    dsa_head_chunks: int = 1
+    indexer_loss_coeff: NonNegativeFloat = 1.0
+    dsa_head_chunks: PositiveInt = 1
     lora: LoraConfig = field(default_factory=LoraConfig)
     extra: dict = field(default_factory=dict)
 
@@ -282,11 +292,17 @@ def check_model_layout(model: DenseModelConfig, tp: int, pp: int, seq_length: in
     if ep > 1 and not model.is_moe:
         raise LoongError(f"parallel.ep={ep}: dense models have no experts (expert parallelism is for MoE)")
     if model.is_moe:
+        if ep > model.num_experts:
+            raise LoongError(f"parallel.ep={ep} is more than the model's {model.num_experts} experts: every "
+                             "expert-parallel rank needs at least one expert")
         if model.num_experts % ep:
             raise LoongError(f"parallel.ep={ep} does not divide the model's {model.num_experts} experts")
         if model.expert_ffn_hidden_size % (etp or tp):
             raise LoongError(f"the expert tensor-parallel size {etp or tp} does not divide "
                              f"moe_ffn_hidden_size={model.expert_ffn_hidden_size}")
+    if pp > model.num_layers:  # pp here is parallel.pp x parallel.vpp: the model chunks the layers are split into
+        raise LoongError(f"parallel.pp={pp}: more pipeline chunks (parallel.pp x parallel.vpp) than the model's "
+                         f"{model.num_layers} layers; every chunk needs at least one layer")
     if model.num_layers % pp:
         raise LoongError(f"parallel.pp={pp} does not divide the model's {model.num_layers} layers")
     if seq_length > model.max_position_embeddings:

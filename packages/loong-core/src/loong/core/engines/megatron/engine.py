@@ -16,7 +16,7 @@ from megatron.core.distributed import (
     DistributedDataParallelConfig,
     finalize_model_grads,
 )
-from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer, get_standard_config_overrides
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.transformer.module import Float16Module
@@ -145,19 +145,19 @@ class MegatronEngine(Engine):
                                     disable_bucketing=i > 0, pg_collection=layout.pg_collection)
             for i, c in enumerate(chunks)
         ]
-        self.optimizer = get_megatron_optimizer(
-            OptimizerConfig(
-                optimizer="adam", lr=t.lr, min_lr=t.min_lr, weight_decay=t.weight_decay,
-                adam_beta1=t.adam_beta1, adam_beta2=t.adam_beta2, adam_eps=t.adam_eps,
-                clip_grad=t.clip_grad, bf16=self.dtype == torch.bfloat16, params_dtype=self.dtype,
-                use_distributed_optimizer=t.distributed_optimizer,
-                # Megatron-LM pairs --optimizer-cpu-offload with --use-precision-aware-optimizer: the offloading
-                # optimizer then keeps the fp32 master weights itself (on the host) instead of the distributed one
-                optimizer_cpu_offload=t.optimizer_cpu_offload, use_precision_aware_optimizer=t.optimizer_cpu_offload,
-                optimizer_offload_fraction=t.optimizer_offload_fraction if t.optimizer_cpu_offload else 0.0,
-            ),
-            self.model_chunks,
+        optimizer_config = OptimizerConfig(
+            optimizer="adam", lr=t.lr, min_lr=t.min_lr, weight_decay=t.weight_decay,
+            adam_beta1=t.adam_beta1, adam_beta2=t.adam_beta2, adam_eps=t.adam_eps,
+            clip_grad=t.clip_grad, bf16=self.dtype == torch.bfloat16, params_dtype=self.dtype,
+            use_distributed_optimizer=t.distributed_optimizer,
+            # Megatron-LM pairs --optimizer-cpu-offload with --use-precision-aware-optimizer: the offloading
+            # optimizer then keeps the fp32 master weights itself (on the host) instead of the distributed one
+            optimizer_cpu_offload=t.optimizer_cpu_offload, use_precision_aware_optimizer=t.optimizer_cpu_offload,
+            optimizer_offload_fraction=t.optimizer_offload_fraction if t.optimizer_cpu_offload else 0.0,
         )
+        # megatron's standard groups (what passing None gives) plus the task's own (e.g. per-component LRs)
+        overrides = {**get_standard_config_overrides(optimizer_config), **task.optimizer_overrides(t.lr, t.min_lr)}
+        self.optimizer = get_megatron_optimizer(optimizer_config, self.model_chunks, config_overrides=overrides)
         impl = t.optimizer_impl if t.optimizer_impl != "auto" else self.accelerator.adam_implementation()
         # offloaded, megatron-core builds its own AdamWs (fused on the CPU part): nothing of ours to switch
         self.adam_fused = impl == "fused" and not t.optimizer_cpu_offload
@@ -275,14 +275,22 @@ class MegatronEngine(Engine):
             for m in self.model_chunks:
                 m.zero_grad_buffer()
             extra.update(loss_finite=float(not loss_bad), grads_nonfinite=float(grads_bad))
-            return StepMetrics(loss=loss, lr=float(self.optimizer.param_groups[0]["lr"]), skipped=True,
+            return StepMetrics(loss=loss, lr=self._logged_lr(), skipped=True,
                                nonfinite=True, extra=extra, nonfinite_params=names, nonfinite_origin=origin)
         ok, grad_norm, _ = self.optimizer.step()
         if ok:
             self.scheduler.step(increment=1)
-        lr = self.optimizer.param_groups[0]["lr"]
         return StepMetrics(loss=loss, grad_norm=None if grad_norm is None else float(grad_norm),
-                           lr=float(lr), skipped=not ok, extra=extra)
+                           lr=self._logged_lr(), skipped=not ok, extra=extra)
+
+    def _logged_lr(self) -> float:
+        """The schedule's learning rate (``train.lr``'s): the first group megatron marks as on the default
+        schedule, not one a task scaled (:meth:`MegatronTask.optimizer_overrides`)."""
+        from megatron.core.optimizer_param_scheduler import get_canonical_lr_for_logging
+
+        groups = self.optimizer.param_groups
+        lr = get_canonical_lr_for_logging(groups)
+        return float(groups[0]["lr"] if lr is None else lr)
 
     @torch.no_grad()
     def eval_loss(self, iters: int) -> float | None:

@@ -28,6 +28,14 @@ class MegatronTask(Task):
     def init_weights(self, model_chunks: list[torch.nn.Module]) -> None:
         """Called once after a fresh build (not on resume): e.g. load Hugging Face weights."""
 
+    def optimizer_overrides(self, lr: float, min_lr: float) -> dict[Any, Any]:
+        """Per-parameter optimiser settings on top of megatron-core's standard ones (no weight decay on biases
+        and norms): ``{megatron.core.optimizer.ParamKey: ParamGroupOverride}``, e.g. ``{"max_lr": 0.1 * lr,
+        "min_lr": 0.1 * min_lr}`` for a component trained at a tenth of the learning rate (``lr`` / ``min_lr``:
+        ``train.lr`` / ``train.min_lr``). Parameter names are those under the DDP (and Float16Module) wrappers,
+        e.g. ``module.encoder.blocks.0.qkv.weight``. Empty: the standard settings only."""
+        return {}
+
     @abstractmethod
     def forward_step(self, data_iterator: Iterator[dict], model: torch.nn.Module) -> tuple[Any, Any]:
         """megatron-core forward step: returns (output, loss_func)."""
