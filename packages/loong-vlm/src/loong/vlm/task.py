@@ -146,9 +146,9 @@ class VLMTask(MegatronTask):
                 part.requires_grad_(False)
 
     def optimizer_overrides(self, lr: float, min_lr: float) -> dict[Any, Any]:
-        """``model.lr_mult``: each named component's parameters in a group whose peak and minimum learning rates
-        are ``lr`` / ``min_lr`` times its multiplier (megatron's scheduler anneals every group on the same
-        schedule between its own ``max_lr`` and ``min_lr``)."""
+        """``model.lr_mult``: the parameters of each component whose multiplier is not 1 in a group whose peak and
+        minimum learning rates are ``lr`` / ``min_lr`` times it (megatron's scheduler anneals every group on the
+        same schedule between its own ``max_lr`` and ``min_lr``)."""
         from megatron.core.optimizer import ParamKey, ParamWithNamePredicate
 
         out: dict[Any, Any] = {}

@@ -1,0 +1,169 @@
+"""VLM layout checks, run as ``torchrun --nproc-per-node 2 vlm_layouts.py ROOT``.
+
+One 2-process gloo launch (process start-up dominates CI time), the tiny VLM (``model=tiny``: Qwen2.5-VL's ViT
+and merger over a Qwen2 foundation with M-RoPE) on the synthetic shapes set, fp32:
+
+- the loss and every gradient (gathered whole) of one step at DP=2 (the reference in this world), foundation TP=2,
+  TP=2 with sequence parallelism (the encoder unsharded on each TP rank), PP=2 (the encoder on the first stage),
+  and with ``data.balance.enabled=true`` at DP=2 (plus the plan's predicted max/mean rank cost before and after);
+  the tiny Qwen3-VL-MoE (DeepStack, interleaved M-RoPE) at DP=2 and at EP=2;
+- 10 training steps at DP=2, TP=2 and PP=2; TP=2 saves a checkpoint at step 5 that DP=2 (TP=1) resumes;
+- 4 balanced steps with ``data.balance.cost=fit`` (per-step balance metrics, one fit with the encoder terms).
+
+Every layout starts from the DP=2 run's initial weights (megatron's random initialisation differs between pipeline
+and expert layouts: each rank draws only its own layers and experts), loaded whole into each layout's shards.
+Rank 0 saves everything, those weights included, to ``ROOT/result.pt`` (``torch.save``); the pytest side compares
+(and runs the DP=1 reference in its own process). The helpers
+(:func:`build`, :func:`one_step`, :func:`fit_and_losses`) also serve the single-process tests.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from loong.core.accelerators import select_accelerator
+from loong.core.config import compose_config
+from loong.core.config.schema import to_dict
+from loong.core.engines.megatron.engine import MegatronEngine
+from loong.core.engines.megatron.layout import init_distributed
+from loong.core.engines.megatron.state import gather_full_state, load_full_state
+from loong.core.trainer import Trainer
+from loong.vlm.schema import VLMRunConfig
+from loong.vlm.task import VLMTask
+
+STEPS = 10
+SAVE_AT = 5
+#: a small, fast run: 64 synthetic samples, rows of 128 slots, 4 rows a step (2 micro-batches a DP rank at DP=2)
+COMMON = ["data.synthetic_size=64", "data.valid_fraction=0", "train.seq_length=128", "train.global_batch_size=4",
+          "train.micro_batch_size=1", "train.eval_iters=0", "train.eval_interval=0", "train.progress=false",
+          "train.precision=fp32", "train.warmup_steps=0", "train.lr_decay_style=constant", "train.lr=1e-3"]
+LAYOUTS = {
+    "dp2": ["parallel.tp=1"],
+    "tp2": ["parallel.tp=2"],
+    "tp2sp": ["parallel.tp=2", "parallel.sequence_parallel=true"],
+    "pp2": ["parallel.pp=2"],
+    "balanced": ["parallel.tp=1", "data.balance.enabled=true"],
+    "moe_dp2": ["model=tiny_qwen3_vl_moe", "parallel.tp=1"],
+    "moe_ep2": ["model=tiny_qwen3_vl_moe", "parallel.ep=2"],
+}
+
+
+def build(root: Path, overrides: list[str], acc, steps: int = STEPS):  # noqa: ANN001, ANN201
+    """Config, layout and data-ready task of a small VLM run under ``root`` (the data caches are shared)."""
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    cfg, _ = compose_config("loong.vlm.configs", "train",
+                            [f"output_dir={root}", f"train.steps={steps}", *COMMON, *overrides], VLMRunConfig)
+    VLMTask.check_config(cfg)
+    layout = init_distributed(acc, cfg.parallel)
+    torch.manual_seed(0)
+    model_parallel_cuda_manual_seed(0)
+    task = VLMTask(cfg, acc, layout)
+    task.setup_data()
+    return cfg, layout, task
+
+
+def one_step(root: Path, overrides: list[str], acc, weights: dict | None = None) -> dict:  # noqa: ANN001
+    """The loss and whole gradients of step 0 (no optimiser step) from ``weights`` (None: the layout's own
+    initialisation), the same on every rank; ``weights``: the whole initial weights used."""
+    from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
+
+    get_moe_metrics_tracker().clear()
+    cfg, layout, task = build(root, overrides, acc)
+    engine = MegatronEngine(task, cfg, acc, layout)
+    if weights is not None:
+        load_full_state(engine.model_chunks, weights)
+    else:
+        weights = gather_full_state(engine.model_chunks)
+    for m in engine.model_chunks:
+        m.zero_grad_buffer()
+    nmb = task.num_train_microbatches(0, engine.num_microbatches)
+    loss = engine._run(engine._iterators(lambda: task.train_microbatches(0, nmb)), forward_only=False,
+                       num_microbatches=nmb)
+    grads = gather_full_state(engine.model_chunks, source=lambda p: p.main_grad)
+    loss_t = torch.tensor([loss if layout.is_logging_rank else float("-inf")])
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(loss_t, op=dist.ReduceOp.MAX)
+    out = {"loss": float(loss_t), "grads": grads, "nmb": nmb, "weights": weights}
+    if layout.dp == layout.world_size > 1:  # which samples each DP rank trained on
+        if task.balanced is not None:
+            out["metrics"] = task.balanced.step_metrics(0)
+            mine = sorted(s for mb in task.balanced.rows(0, layout.dp_rank) for row, _ in mb for s in row)
+        else:
+            train = task.data.train
+            rows = task._rows(0, nmb, len(train), True)
+            mine = sorted(s for mb in rows for r in mb for s in train.packed.bins[r])
+        out["samples"] = [None] * layout.world_size
+        dist.all_gather_object(out["samples"], mine)
+    return out
+
+
+def fit_and_losses(cfg, layout, task, acc, run_dir: Path, resume: Path | None = None,  # noqa: ANN001, ANN201
+                   weights: dict | None = None):
+    """Train from ``weights`` (or resume) to ``train.steps``; every step's loss (-inf: not run here) and the
+    metrics records, on every rank, and the engine."""
+    engine = MegatronEngine(task, cfg, acc, layout, fresh=resume is None)
+    if weights is not None and resume is None:
+        load_full_state(engine.model_chunks, weights)
+    trainer = Trainer(cfg, to_dict(cfg), task, engine, layout, acc, run_dir)
+    trainer.fit(trainer.restore(resume) if resume is not None else 0)
+    records: list = []
+    if layout.is_logging_rank:
+        records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        holder: list = [None] * dist.get_world_size()
+        dist.all_gather_object(holder, records)
+        records = next(r for r in holder if r)
+    losses = [float("-inf")] * cfg.train.steps
+    for rec in records:
+        if "train_loss" in rec:
+            losses[rec["step"] - 1] = rec["train_loss"]
+    return losses, records, engine
+
+
+def _grad_err(got: dict, ref: dict) -> float:
+    return max(float((got[k] - g).abs().max() / g.abs().max().clamp(min=1e-12)) for k, g in ref.items())
+
+
+def main() -> None:
+    root = Path(sys.argv[1])
+    acc = select_accelerator("cpu")
+    result: dict = {"loss": {}, "grad_err": {}, "grad_keys_equal": {}, "train": {}, "nmb": {}}
+    with acc.activate(engine="megatron"):
+        refs: dict = {}
+        for name, overrides in LAYOUTS.items():
+            family = "moe" if name.startswith("moe") else "dense"
+            got = one_step(root, overrides, acc, refs[family]["weights"] if family in refs else None)
+            result["loss"][name], result["nmb"][name] = got["loss"], got["nmb"]
+            ref = refs.setdefault(family, got)
+            result["grad_keys_equal"][name] = sorted(got["grads"]) == sorted(ref["grads"])
+            result["grad_err"][name] = _grad_err(got["grads"], ref["grads"])
+            if "samples" in got:
+                result.setdefault("samples", {})[name] = got["samples"]
+            if name == "balanced":
+                result["balance_metrics"] = got["metrics"]
+        weights = refs["dense"]["weights"]
+        result["dp2_step"] = {k: refs["dense"][k] for k in ("loss", "grads", "weights")}
+        for name in ("dp2", "pp2"):
+            cfg, layout, task = build(root, LAYOUTS[name], acc)
+            result["train"][name] = fit_and_losses(cfg, layout, task, acc, root / name, weights=weights)[0]
+        cfg, layout, task = build(root, [*LAYOUTS["tp2"], f"train.save_interval={SAVE_AT}"], acc)
+        result["train"]["tp2"] = fit_and_losses(cfg, layout, task, acc, root / "tp2", weights=weights)[0]
+        ckpt = root / "tp2" / "checkpoints" / f"step_{SAVE_AT:08d}"
+        cfg, layout, task = build(root, LAYOUTS["dp2"], acc)
+        result["train"]["dp2_resumed_from_tp2"] = fit_and_losses(cfg, layout, task, acc, root / "resumed", ckpt)[0]
+        fit = [*LAYOUTS["balanced"], "data.balance.cost=fit", "data.balance.fit_steps=2", "train.global_batch_size=8"]
+        cfg, layout, task = build(root, fit, acc, steps=4)
+        result["train"]["balanced_fit"], result["balanced_fit_records"], _ = fit_and_losses(
+            cfg, layout, task, acc, root / "balanced_fit", weights=weights)
+    if dist.get_rank() == 0:
+        torch.save(result, root / "result.pt")
+
+
+if __name__ == "__main__":
+    main()
