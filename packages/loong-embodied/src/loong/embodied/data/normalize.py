@@ -1,0 +1,121 @@
+"""Normalisation from a LeRobotDataset's ``meta/stats.json``, by lerobot's own processor steps.
+
+A policy names a mode per feature type, as lerobot's policy configs do (``normalization_mapping``): Pi0.5 uses
+``{"VISUAL": "IDENTITY", "STATE": "QUANTILES", "ACTION": "QUANTILES"}``, ACT and Diffusion ``MEAN_STD`` /
+``MIN_MAX``. The arithmetic is lerobot's ``NormalizerProcessorStep`` / ``UnnormalizerProcessorStep`` (so a policy
+exported to lerobot normalises exactly as it trained here): ``MEAN_STD`` is ``(x - mean) / (std + eps)``,
+``MIN_MAX`` maps ``[min, max]`` to ``[-1, 1]``, ``QUANTILES`` maps ``[q01, q99]`` and ``QUANTILE10`` ``[q10, q90]``
+to ``[-1, 1]``. What this adds is the checks lerobot leaves out: it silently skips a key whose statistics are
+missing; here that is an error naming the stats file, the key and the statistics the mode needs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from loong.core.errors import LoongError
+
+if TYPE_CHECKING:
+    from loong.embodied.data.dataset import VLADataset
+
+#: the statistics each mode reads (lerobot's NormalizationMode values)
+NEEDED_STATS: dict[str, tuple[str, ...]] = {
+    "IDENTITY": (),
+    "MEAN_STD": ("mean", "std"),
+    "MIN_MAX": ("min", "max"),
+    "QUANTILES": ("q01", "q99"),
+    "QUANTILE10": ("q10", "q90"),
+}
+FEATURE_TYPES = ("VISUAL", "STATE", "ACTION", "ENV")
+
+
+def _mode_name(value: Any) -> str:
+    return str(getattr(value, "value", value)).upper()
+
+
+class Normalizer:
+    """(Un)normalises the observation and action keys of a batch with the statistics ``stats``.
+
+    ``features``: lerobot's dataset features (``meta/info.json``'s ``features``) of the keys to normalise;
+    ``norm_map``: a mode per feature type (strings or lerobot's enums; a type left out is ``IDENTITY``);
+    ``source``: what the statistics came from, for error messages.
+    """
+
+    def __init__(self, stats: Mapping[str, Mapping[str, Any]] | None, features: Mapping[str, Mapping[str, Any]],
+                 norm_map: Mapping[Any, Any], *, source: str = "stats", eps: float = 1e-8) -> None:
+        from lerobot.configs import FeatureType, NormalizationMode
+        from lerobot.processor import NormalizerProcessorStep, UnnormalizerProcessorStep
+        from lerobot.utils.feature_utils import dataset_to_policy_features
+
+        modes: dict[str, str] = {}
+        for kind, mode in norm_map.items():
+            kind_name, mode_name = _mode_name(kind), _mode_name(mode)
+            if kind_name not in FEATURE_TYPES:
+                raise LoongError(f"norm_map: unknown feature type {kind_name!r}; known: {', '.join(FEATURE_TYPES)}")
+            if mode_name not in NEEDED_STATS:
+                raise LoongError(f"norm_map.{kind_name}: unknown mode {mode_name!r}; known: {', '.join(NEEDED_STATS)}")
+            modes[kind_name] = mode_name
+        self.policy_features = dataset_to_policy_features(dict(features))
+        self.modes = {key: modes.get(ft.type.value, "IDENTITY") for key, ft in self.policy_features.items()}
+        for key, mode in self.modes.items():
+            needed = NEEDED_STATS[mode]
+            if not needed:
+                continue
+            if stats is None:
+                raise LoongError(f"{source}: missing; '{key}' is normalised by {mode}, which needs {', '.join(needed)}")
+            have = stats.get(key)
+            if have is None:
+                raise LoongError(f"{source}: no statistics for '{key}', which is normalised by {mode} (needs "
+                                 f"{', '.join(needed)}); it has statistics for: {', '.join(stats) or 'nothing'}")
+            missing = [name for name in needed if name not in have]
+            if missing:
+                raise LoongError(f"{source}: '{key}' has no {', '.join(missing)} (needed by {mode}); it has: "
+                                 f"{', '.join(have)}")
+        used = {key for key, mode in self.modes.items() if mode != "IDENTITY"}
+        self.stats = {key: dict(stats[key]) for key in used} if stats is not None else {}
+        self.action_key = next((k for k, ft in self.policy_features.items() if ft.type.value == "ACTION"), None)
+        enum_map = {FeatureType(kind): NormalizationMode(mode) for kind, mode in modes.items()}
+        self._normalize = NormalizerProcessorStep(features=self.policy_features, norm_map=enum_map,
+                                                  stats=self.stats, eps=eps)
+        self._unnormalize = UnnormalizerProcessorStep(features=self.policy_features, norm_map=enum_map,
+                                                      stats=self.stats, eps=eps)
+
+    @classmethod
+    def from_dataset(cls, dataset: VLADataset, norm_map: Mapping[Any, Any], eps: float = 1e-8) -> Normalizer:
+        """The normaliser of ``dataset``'s cameras, state and action with its ``meta/stats.json``."""
+        keys = (*dataset.camera_keys, dataset.state_key, dataset.action_key)
+        features = {key: dataset.meta.features[key] for key in keys}
+        return cls(dataset.stats, features, norm_map, source=str(Path(dataset.root) / "meta" / "stats.json"), eps=eps)
+
+    def _apply(self, step: Any, batch: Mapping[str, Any]) -> dict[str, Any]:
+        from lerobot.processor import TransitionKey, create_transition
+
+        observation = {k: v for k, v in batch.items() if k in self.policy_features and k != self.action_key}
+        action = batch.get(self.action_key) if self.action_key is not None else None
+        out = step(create_transition(observation=observation or None, action=action))
+        result = dict(batch)
+        result.update(out[TransitionKey.OBSERVATION] or {})
+        if action is not None:
+            result[self.action_key] = out[TransitionKey.ACTION]
+        return result
+
+    def normalize(self, batch: Mapping[str, Any]) -> dict[str, Any]:
+        """A copy of ``batch`` with its feature keys normalised (other keys as they are)."""
+        return self._apply(self._normalize, batch)
+
+    def unnormalize(self, batch: Mapping[str, Any]) -> dict[str, Any]:
+        """The inverse of :meth:`normalize`."""
+        return self._apply(self._unnormalize, batch)
+
+    def unnormalize_action(self, action: torch.Tensor) -> torch.Tensor:
+        """A policy's normalised action (``[..., action_dim]``) in the dataset's units."""
+        if self.action_key is None:
+            raise LoongError("unnormalize_action: this normaliser has no action feature")
+        return self.unnormalize({self.action_key: action})[self.action_key]
+
+
+__all__ = ["NEEDED_STATS", "Normalizer"]
