@@ -112,6 +112,12 @@ class MegatronEngine(Engine):
                 "train.global_batch_size or lower train.micro_batch_size)"
             )
         self.config = task.model_config(self.dtype)
+        # megatron-core keeps the MoE aux loss's backward scale in class state, shaped by the first schedule that sets
+        # it ([] or [1], depending on calculate_per_token_loss) and copied into afterwards: each engine starts without
+        # one, so a second run in the process (a test, a tool) with the other loss-scale shape does not fail
+        from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+
+        MoEAuxLossAutoScaler.main_loss_backward_scale = None
         if cfg.parallel.pp > 1 and cfg.parallel.vpp:
             # Unbatched p2p for the interleaved schedule, as Megatron-LM's default (it batches only
             # without p2p overlap). Batched p2p mis-pairs messages when both pipeline neighbours are
