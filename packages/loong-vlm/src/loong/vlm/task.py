@@ -215,26 +215,24 @@ class VLMTask(MegatronTask):
         if self.layout.is_logging_rank:
             print(self.data.summary(path), file=sys.stderr)
 
+    def _global_rows(self, step: int, n: int, shuffled: bool) -> list[int]:
+        """The row indices of global batch ``step`` over ``n`` rows: the seeded sampler's (training) or in order."""
+        gbs = self.cfg.train.global_batch_size
+        pick = self.sampler.index if shuffled else (lambda g: g % n)
+        return [pick(g) for g in range(step * gbs, (step + 1) * gbs)]
+
     def _rows(self, step: int, nmb: int, n: int, shuffled: bool) -> list[list[int]]:
         """This rank's micro-batches (row indices) of global batch ``step`` over ``n`` rows."""
-        gbs, mbs = self.cfg.train.global_batch_size, self.cfg.train.micro_batch_size
-        pick = (lambda g: self.sampler.index(g)) if shuffled else (lambda g: g % n)
-        rows = [pick(g) for g in range(step * gbs, (step + 1) * gbs)]
+        mbs = self.cfg.train.micro_batch_size
+        rows = self._global_rows(step, n, shuffled)
         first = self.layout.dp_rank * nmb * mbs
         return [rows[first + k * mbs: first + (k + 1) * mbs] for k in range(nmb)]
 
-    def _scale(self, packed: Any, step: int, n: int, shuffled: bool) -> float:
-        """The loss scale making the engine's mean over micro-batches and DP ranks the global batch's per-token
-        mean (as loong-llm's SFT)."""
-        gbs = self.cfg.train.global_batch_size
-        pick = (lambda g: self.sampler.index(g)) if shuffled else (lambda g: g % n)
-        tokens = int(sum(packed.loss_tokens[pick(g)] for g in range(step * gbs, (step + 1) * gbs)))
-        return float(self.num_microbatches_per_rank() * self.layout.dp / max(1, tokens))
-
-    def num_microbatches_per_rank(self) -> int:
-        from loong.core.engines.base import num_microbatches
-
-        return num_microbatches(self.cfg, self.layout.dp)
+    def _scale(self, packed: Any, step: int, nmb: int, shuffled: bool) -> float:
+        """The loss scale making the engine's mean over ``nmb`` micro-batches and DP ranks the global batch's
+        per-token mean (as loong-llm's SFT)."""
+        tokens = int(sum(packed.loss_tokens[i] for i in self._global_rows(step, len(packed), shuffled)))
+        return float(nmb * self.layout.dp / max(1, tokens))
 
     def _loader(self, dataset: Any, first_step: int, nmb: int, shuffled: bool, workers: int) -> Iterator[dict]:
         from loong.vlm.data.dataset import vision_loader
@@ -266,14 +264,14 @@ class VLMTask(MegatronTask):
         if self.balanced is not None:  # the per-token mean over the same assistant tokens, as unbalanced
             scale = num_microbatches * self.layout.dp / max(1, self.balanced.loss_tokens(step))
         else:
-            scale = self._scale(train.packed, step, len(train), True)
+            scale = self._scale(train.packed, step, num_microbatches, True)
         batches = [self._to_device(next(self._train_iter), scale) for _ in range(num_microbatches)]
         return iter(batches)
 
     def eval_microbatches(self, index: int, num_microbatches: int) -> Iterator[dict]:
         data = self.data.valid if len(self.data.valid) else self.data.train
         loader = self._loader(data, index, num_microbatches, False, 0)
-        scale = self._scale(data.packed, index, len(data), False)
+        scale = self._scale(data.packed, index, num_microbatches, False)
         return iter([self._to_device(next(loader), scale) for _ in range(num_microbatches)])
 
     # --- loss ------------------------------------------------------------------------------
