@@ -15,8 +15,9 @@ import pytest
 
 from loong.diffusion.cli import main as diffusion_main
 from loong.llm.cli import main as llm_main
+from loong.vlm.cli import main as vlm_main
 
-CLIS = {"loong-llm": llm_main, "loong-diffusion": diffusion_main}
+CLIS = {"loong-llm": llm_main, "loong-diffusion": diffusion_main, "loong-vlm": vlm_main}
 MISSING = "/nonexistent/loong-test-path"
 
 #: (cli, overrides, the error line's text after "error: ")
@@ -82,6 +83,26 @@ CASES = [
     ("loong-diffusion", [f"model.init_from_diffusers={MISSING}"],
      f"model.init_from_diffusers={MISSING}: must be an existing folder"),
     ("loong-diffusion", ["parallel.dp_shard=0"], "parallel.dp_shard=0: must be >= 1 or -1 (-1: what the world leaves)"),
+    # loong-vlm: its three components, the assembly and its data keys
+    ("loong-vlm", ["encoder.depth=0"], "encoder.depth=0: must be >= 1"),
+    ("loong-vlm", ["encoder.norm_eps=0"], "encoder.norm_eps=0.0: must be > 0"),
+    ("loong-vlm", ["encoder.norm_type=batch_norm"], "encoder.norm_type: 'batch_norm' is not one of"),
+    ("loong-vlm", ["encoder.parallel.tp=0"], "encoder.parallel.tp=0: must be >= 1"),
+    ("loong-vlm", ["encoder.hidden_size=33"], "encoder.hidden_size=33 is not divisible by num_heads=4"),
+    ("loong-vlm", ["projector.downsample_ratio=1.5"], "projector.downsample_ratio=1.5: must be in (0, 1]"),
+    ("loong-vlm", ["projector.hidden_size=-1"], "projector.hidden_size=-1: must be >= 0"),
+    ("loong-vlm", ["model.lr_mult.encoder=0"], "model.lr_mult.encoder=0.0: must be > 0"),
+    ("loong-vlm", ["model.freeze=[decoder]"], "model.freeze: ['decoder'] are not components"),
+    ("loong-vlm", [f"model.init_from_hf={MISSING}"], f"model.init_from_hf={MISSING}: must be an existing folder"),
+    ("loong-vlm", ["data.max_frames=0"], "data.max_frames=0: must be >= 1"),
+    ("loong-vlm", ["data.fps=-2"], "data.fps=-2.0: must be > 0"),
+    ("loong-vlm", ["data.min_pixels=0"], "data.min_pixels=0: must be >= 1"),
+    ("loong-vlm", ["data.min_pixels=4096", "data.max_pixels=1024"],
+     "data.min_pixels=4096 is larger than data.max_pixels=1024"),
+    ("loong-vlm", ["data.synthetic_size=1"], "data.synthetic_size=1: must be >= 2"),
+    ("loong-vlm", ["data.num_workers=-1"], "data.num_workers=-1: must be >= 0"),
+    ("loong-vlm", [f"data.processor={MISSING}"], f"data.processor={MISSING}: must be an existing folder"),
+    ("loong-vlm", ["data.overlong=cut"], "data.overlong: 'cut' is not one of"),
 ]  # fmt: skip
 
 
@@ -102,6 +123,6 @@ def test_bad_value_fails_cleanly(cli: str, overrides: list[str], message: str, t
     assert list(cwd.iterdir()) == [], "a refused config must not write into the working directory"
 
 
-def test_the_corpus_covers_both_clis_and_many_keys() -> None:
+def test_the_corpus_covers_every_cli_and_many_keys() -> None:
     keys = {o.split("=")[0] for _, overrides, _ in CASES for o in overrides}
     assert {c for c, _, _ in CASES} == set(CLIS) and len(CASES) >= 40 and len(keys) >= 40

@@ -4,6 +4,7 @@ Its config groups are not added to ``CONFIG_DIRS``: ``loong-vlm`` composes from 
 loong-diffusion does), so its ``model`` presets do not appear under ``loong-llm train --help``.
 """
 
-from loong.core.registry import TASKS
+from loong.core.registry import RUN_CONFIGS, TASKS, RunConfigSource
 
 TASKS.add_lazy("vlm.sft", "loong.vlm.task:VLMTask")
+RUN_CONFIGS.add("loong-vlm", RunConfigSource("loong.vlm.configs", "train", "loong.vlm.schema:VLMRunConfig"))

@@ -10,9 +10,16 @@ the VLM family (which HF class it maps to), the foundation's rotary layout (M-Ro
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Annotated, Literal
 
-from loong.core.config.checks import PositiveFloat
+from loong.core.config.checks import (
+    Check,
+    ExistingDir,
+    NonEmptyStr,
+    NonNegativeInt,
+    PositiveFloat,
+    PositiveInt,
+)
 from loong.core.config.schema import DataConfig, RunConfig
 from loong.core.errors import LoongError
 from loong.llm.models.config import DenseModelConfig
@@ -48,12 +55,12 @@ class VLMModelConfig:
     """
 
     family: Literal["qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "internvl", "custom"] = "qwen2_5_vl"
-    preset: str = "custom"
+    preset: NonEmptyStr = "custom"
     mrope_section: list | None = None
     mrope_interleaved: bool = False
     freeze: list = field(default_factory=list)
     lr_mult: LRMultipliers = field(default_factory=lambda: LRMultipliers())
-    init_from_hf: str | None = None
+    init_from_hf: ExistingDir | None = None
 
     def validate(self, path: str) -> None:
         bad = [c for c in self.freeze if c not in COMPONENTS]
@@ -77,35 +84,29 @@ class VLMDataConfig(DataConfig):
     """
 
     chat_format: Literal["auto", "messages", "sharegpt", "alpaca"] = "auto"
-    chat_template: str = "auto"
-    processor: str | None = None
-    media_root: str | None = None
-    min_pixels: int | None = None
-    max_pixels: int | None = None
-    video_min_pixels: int | None = None
-    video_max_pixels: int | None = None
-    max_tiles: int | None = None
-    fps: float = 2.0
-    max_frames: int = 32
+    chat_template: NonEmptyStr = "auto"
+    processor: ExistingDir | None = None
+    media_root: ExistingDir | None = None
+    min_pixels: PositiveInt | None = None
+    max_pixels: PositiveInt | None = None
+    video_min_pixels: PositiveInt | None = None
+    video_max_pixels: PositiveInt | None = None
+    max_tiles: PositiveInt | None = None
+    fps: PositiveFloat = 2.0
+    max_frames: PositiveInt = 32
     positions: Literal["auto", "mrope", "1d"] = "auto"
     packing: bool = True
     overlong: Literal["truncate", "drop"] = "truncate"
     on_error: Literal["raise", "skip"] = "raise"
-    num_workers: int = 0
-    synthetic_size: int = 256
-    synthetic_seed: int = 0
+    num_workers: NonNegativeInt = 0
+    synthetic_size: Annotated[int, Check(ge=2)] = 256
+    synthetic_seed: NonNegativeInt = 0
 
     def validate(self, path: str) -> None:
-        for name in ("min_pixels", "max_pixels", "video_min_pixels", "video_max_pixels", "max_tiles"):
-            value = getattr(self, name)
-            if value is not None and value < 1:
-                raise LoongError(f"{path}.{name}: must be >= 1 or null, got {value}")
-        if self.num_workers < 0:
-            raise LoongError(f"{path}.num_workers: must be >= 0, got {self.num_workers}")
-        if self.synthetic_size < 2:
-            raise LoongError(f"{path}.synthetic_size: must be >= 2, got {self.synthetic_size}")
-        if not 0 <= self.valid_fraction < 1:
-            raise LoongError(f"{path}.valid_fraction: must be in [0, 1), got {self.valid_fraction}")
+        for low, high in (("min_pixels", "max_pixels"), ("video_min_pixels", "video_max_pixels")):
+            lo, hi = getattr(self, low), getattr(self, high)
+            if lo is not None and hi is not None and lo > hi:
+                raise LoongError(f"{path}.{low}={lo} is larger than {path}.{high}={hi}")
 
 
 @dataclass

@@ -338,6 +338,12 @@ def from_dict(cls: type, data: dict, path: str = "") -> Any:
     return obj
 
 
+def check_config(obj: Any, path: str = "") -> None:
+    """Run every check of ``obj``'s schema (annotations, choices, ``validate``) on an instance built in code, as
+    :func:`from_dict` runs them on a composed config; errors name ``path``'s dotted keys."""
+    from_dict(type(obj), to_dict(obj), path)
+
+
 def to_dict(obj: Any) -> Any:
     """Dataclass tree → plain dict (for saving the resolved config)."""
     if dataclasses.is_dataclass(obj):

@@ -11,8 +11,9 @@ configs they map to (``depth``/``num_hidden_layers`` → ``depth``, ``num_heads`
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Annotated, Literal
 
+from loong.core.config.checks import Check, NonEmptyStr, NonNegativeInt, PositiveFloat, PositiveInt
 from loong.core.errors import LoongError
 
 #: encoder family -> what it is (HF class of the vision module)
@@ -38,7 +39,7 @@ PROJECTOR_FAMILIES: dict[str, str] = {
 class ComponentParallel:
     """A component's own parallel layout (``encoder.parallel``): its tensor-parallel size."""
 
-    tp: int = 1
+    tp: PositiveInt = 1
 
 
 @dataclass
@@ -63,30 +64,30 @@ class EncoderConfig:
     """
 
     family: Literal["qwen2_5_vit", "qwen3_vit", "intern_vit", "siglip2"] = "qwen2_5_vit"
-    preset: str = "custom"
-    depth: int = 2
-    hidden_size: int = 32
-    intermediate_size: int = 64
-    num_heads: int = 2
-    in_channels: int = 3
-    patch_size: int = 14
-    temporal_patch_size: int = 2
-    spatial_merge_size: int = 2
-    hidden_act: str = "silu"
-    norm_eps: float = 1e-6
+    preset: NonEmptyStr = "custom"
+    depth: PositiveInt = 2
+    hidden_size: PositiveInt = 32
+    intermediate_size: PositiveInt = 64
+    num_heads: PositiveInt = 2
+    in_channels: PositiveInt = 3
+    patch_size: PositiveInt = 14
+    temporal_patch_size: PositiveInt = 2
+    spatial_merge_size: PositiveInt = 2
+    hidden_act: NonEmptyStr = "silu"
+    norm_eps: PositiveFloat = 1e-6
     qkv_bias: bool = True
-    window_size: int = 112
-    tokens_per_second: float = 2.0
-    rope_theta: float = 10000.0
+    window_size: PositiveInt = 112
+    tokens_per_second: PositiveFloat = 2.0
+    rope_theta: PositiveFloat = 10000.0
     fullatt_block_indexes: list = field(default_factory=list)
-    num_position_embeddings: int = 0
+    num_position_embeddings: NonNegativeInt = 0
     deepstack_visual_indexes: list = field(default_factory=list)
-    image_size: int = 448
+    image_size: PositiveInt = 448
     layer_scale_init_value: float = 0.1
     use_qk_norm: bool = False
-    norm_type: str = "layer_norm"  # InternViT: layer_norm | rms_norm (HF norm_type)
+    norm_type: Literal["layer_norm", "rms_norm"] = "layer_norm"  # InternViT's HF norm_type
     use_mean_pooling: bool = True  # InternViT: HF's flag; True = no final LayerNorm after the blocks
-    init_std: float = 0.02
+    init_std: PositiveFloat = 0.02
     init_from: str | None = None
     recompute: bool = False
     decoupled: bool = False
@@ -98,11 +99,6 @@ class EncoderConfig:
 
     def validate(self, path: str) -> None:
         """Checks that need only this config (family-specific shapes)."""
-        if self.family not in ENCODER_FAMILIES:
-            raise LoongError(f"{path}.family: {self.family!r} is not one of {', '.join(ENCODER_FAMILIES)}")
-        for name in ("depth", "hidden_size", "intermediate_size", "num_heads", "patch_size", "in_channels"):
-            if getattr(self, name) < 1:
-                raise LoongError(f"{path}.{name}: must be >= 1, got {getattr(self, name)}")
         if self.hidden_size % self.num_heads:
             raise LoongError(f"{path}.hidden_size={self.hidden_size} is not divisible by "
                              f"num_heads={self.num_heads}")
@@ -110,10 +106,6 @@ class EncoderConfig:
             bad = [i for i in getattr(self, name) if not 0 <= int(i) < self.depth]
             if bad:
                 raise LoongError(f"{path}.{name}: {bad} outside the encoder's blocks 0..{self.depth - 1}")
-        if self.norm_type not in ("layer_norm", "rms_norm"):
-            raise LoongError(f"{path}.norm_type: {self.norm_type!r} is not one of layer_norm, rms_norm")
-        if self.parallel.tp < 1:
-            raise LoongError(f"{path}.parallel.tp: must be >= 1, got {self.parallel.tp}")
 
 
 @dataclass
@@ -124,17 +116,8 @@ class ProjectorConfig:
     ``downsample_ratio`` is InternVL's pixel-shuffle ratio."""
 
     family: Literal["qwen2_5_merger", "qwen3_merger", "internvl_mlp", "mlp"] = "qwen2_5_merger"
-    out_hidden_size: int = 64
-    hidden_size: int = 0
-    hidden_act: str = "gelu"
-    downsample_ratio: float = 0.5
-    init_std: float = 0.02
-
-    def validate(self, path: str) -> None:
-        if self.family not in PROJECTOR_FAMILIES:
-            raise LoongError(f"{path}.family: {self.family!r} is not one of {', '.join(PROJECTOR_FAMILIES)}")
-        if self.out_hidden_size < 1 or self.hidden_size < 0:
-            raise LoongError(f"{path}: out_hidden_size must be >= 1 and hidden_size >= 0 "
-                             f"(got {self.out_hidden_size}, {self.hidden_size})")
-        if not 0 < self.downsample_ratio <= 1:
-            raise LoongError(f"{path}.downsample_ratio: must be in (0, 1], got {self.downsample_ratio}")
+    out_hidden_size: PositiveInt = 64
+    hidden_size: NonNegativeInt = 0
+    hidden_act: NonEmptyStr = "gelu"
+    downsample_ratio: Annotated[float, Check(gt=0, le=1)] = 0.5
+    init_std: PositiveFloat = 0.02

@@ -38,6 +38,7 @@ from typing import Any
 
 import torch
 
+from loong.core.config.schema import check_config
 from loong.core.errors import LoongError
 from loong.vlm.models.config import EncoderConfig, ProjectorConfig
 from loong.vlm.models.internvl.vision import check_encoder, check_projector, tokens_per_tile
@@ -212,7 +213,7 @@ def proj_cfg_from_hf(hf: Mapping) -> ProjectorConfig:
                           out_hidden_size=int(hf_value(text, "hidden_size", where="text_config")),
                           hidden_act=str(hf_value(hf, "projector_hidden_act", default="gelu", where="config")),
                           downsample_ratio=float(hf_value(hf, "downsample_ratio", default=0.5, where="config")))
-    cfg.validate("projector")
+    check_config(cfg, "projector")
     return cfg
 
 

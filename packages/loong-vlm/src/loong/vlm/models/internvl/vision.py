@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from loong.core.config.schema import check_config
 from loong.core.errors import LoongError
 from loong.vlm.models.config import EncoderConfig, ProjectorConfig
 from loong.vlm.models.vision.common import (
@@ -92,7 +93,7 @@ def tile_grid(cfg: EncoderConfig) -> int:
 
 def check_encoder(cfg: EncoderConfig, path: str = "encoder") -> None:
     """The config's own checks plus this family's: tiles made of whole patches."""
-    cfg.validate(path)
+    check_config(cfg, path)
     if cfg.family != "intern_vit":
         raise LoongError(f"{path}.family: {cfg.family!r} given to the intern_vit builder")
     tile_grid(cfg)
@@ -189,7 +190,7 @@ def pixel_shuffle(x: torch.Tensor, k: int) -> torch.Tensor:
 def check_projector(proj_cfg: ProjectorConfig, enc_cfg: EncoderConfig) -> None:
     """The config's own checks plus this family's: an integer shuffle factor dividing the tile grid, and no inner
     width other than the output (HF's projector maps straight to the foundation's width)."""
-    proj_cfg.validate("projector")
+    check_config(proj_cfg, "projector")
     if proj_cfg.family != "internvl_mlp":
         raise LoongError(f"projector.family: {proj_cfg.family!r} given to the internvl_mlp builder")
     if proj_cfg.hidden_size not in (0, proj_cfg.out_hidden_size):

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from loong.core.config.schema import check_config
 from loong.core.errors import LoongError
 from loong.vlm.models.config import EncoderConfig, ProjectorConfig
 from loong.vlm.models.vision.common import (
@@ -42,7 +43,7 @@ from loong.vlm.models.vision.common import (
 def check_encoder(cfg: EncoderConfig, path: str = "encoder") -> None:
     """The config's own checks plus this family's: a square position table, DeepStack taps strictly increasing,
     a head width divisible by 4 (the 2-D RoPE splits it in quarters)."""
-    cfg.validate(path)
+    check_config(cfg, path)
     if cfg.family != "qwen3_vit":
         raise LoongError(f"{path}.family: {cfg.family!r} given to the qwen3_vit builder")
     if cfg.num_position_embeddings < 1:
@@ -148,7 +149,7 @@ class Qwen3Projector(nn.Module):
 
     def __init__(self, proj_cfg: ProjectorConfig, enc_cfg: EncoderConfig) -> None:
         super().__init__()
-        proj_cfg.validate("projector")
+        check_config(proj_cfg, "projector")
         if proj_cfg.family != "qwen3_merger":
             raise LoongError(f"projector.family: {proj_cfg.family!r} given to the qwen3_merger builder")
         d, merge = enc_cfg.hidden_size, enc_cfg.spatial_merge_size ** 2

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from loong.core.config.schema import check_config
 from loong.core.errors import LoongError
 from loong.vlm.models.config import EncoderConfig, ProjectorConfig
 from loong.vlm.models.vision.common import (
@@ -73,7 +74,7 @@ def pack_patches(pixel_values: torch.Tensor, shapes: list[tuple[int, int]]) -> t
 
 def check_encoder(cfg: EncoderConfig, path: str = "encoder") -> None:
     """The config's own checks plus this family's: a square position table, biased attention projections."""
-    cfg.validate(path)
+    check_config(cfg, path)
     if cfg.family != "siglip2":
         raise LoongError(f"{path}.family: {cfg.family!r} given to the siglip2 builder")
     if cfg.num_position_embeddings < 1:
@@ -147,7 +148,7 @@ class Siglip2VisionEncoder(nn.Module):
 
 def check_projector(proj_cfg: ProjectorConfig) -> None:
     """The config's own checks, for family ``mlp``."""
-    proj_cfg.validate("projector")
+    check_config(proj_cfg, "projector")
     if proj_cfg.family != "mlp":
         raise LoongError(f"projector.family: {proj_cfg.family!r} given to the mlp builder")
 
