@@ -12,16 +12,13 @@ from pathlib import Path
 import torch
 
 from loong.core.accelerators import select_accelerator
-from loong.core.checkpoint import CheckpointManager, read_config, resolve_checkpoint
-from loong.core.config.schema import ParallelConfig, from_dict
+from loong.core.checkpoint import CheckpointManager, resolve_checkpoint
+from loong.core.config.schema import ParallelConfig
 from loong.core.engines.megatron.layout import init_distributed, shutdown_distributed
 from loong.core.errors import LoongError
+from loong.llm.checkpoint_init import read_model_weights
 from loong.llm.hf import load_hf_into, model_config_from_hf, write_hf
-from loong.llm.lora import is_adapter_key
-from loong.llm.lora import merge_lora as merge
 from loong.llm.models.build import build_gpt_model, transformer_config
-from loong.llm.models.config import DenseModelConfig
-from loong.llm.models.hf_mapping import native_shapes
 from loong.llm.schema import LLMRunConfig
 
 _DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
@@ -81,31 +78,12 @@ def loong_to_hf(src: Path, dst: Path, dtype: str = "auto", merge_lora: bool = Fa
     A checkpoint with LoRA adapters needs ``merge_lora=True`` (``--merge-lora``): the adapters are
     merged into the base weights (``W + alpha/rank·B@A``); without it nothing is written.
     """
-    from megatron.core.dist_checkpointing.serialization import load_plain_tensors
-
-    step_dir = resolve_checkpoint(src)
-    run_cfg = from_dict(LLMRunConfig, read_config(step_dir))
-    model_cfg: DenseModelConfig = run_cfg.model
-    accelerator = select_accelerator("cpu")
-    with accelerator.activate():
-        init_distributed(accelerator, ParallelConfig())
-        try:
-            plain = load_plain_tensors(str(step_dir))
-        finally:
-            shutdown_distributed()
-    wanted = native_shapes(model_cfg)
-    adapters = [k for k in plain if is_adapter_key(k) and not k.startswith("optimizer.")]
-    if adapters and not merge_lora:
-        raise LoongError(
-            f"{step_dir} is a LoRA checkpoint ({len(adapters)} adapter tensors, model.lora.rank="
-            f"{model_cfg.lora.rank}); pass --merge-lora to merge the adapters into the Hugging Face weights"
-        )
-    if adapters:
-        plain = merge({k: plain[k] for k in [*wanted, *adapters] if k in plain}, model_cfg.lora)
-    native = {k: v for k, v in plain.items() if k in wanted}
-    missing = sorted(set(wanted) - set(native))
-    if missing:
-        raise LoongError(f"{step_dir} lacks model tensors {missing[:3]} for its config")
+    try:
+        model_cfg, native, step_dir = read_model_weights(src, merge_lora=merge_lora, key=None)
+    except LoongError as exc:
+        if "LoRA checkpoint" in str(exc):
+            raise LoongError(f"{exc}; pass --merge-lora to merge the adapters into the Hugging Face weights") from None
+        raise
     saved_dtype = next(iter(native.values())).dtype
     out_dtype = _DTYPES.get(dtype, saved_dtype)
     tokenizer = step_dir / "tokenizer"

@@ -37,6 +37,10 @@ class PretrainTask(MegatronTask):
 
             # The folder defines the model's shape, as with from_pretrained.
             cfg.model = hf.model_config_from_hf(cfg.model.init_from_hf, keep=cfg.model)
+        if cfg.model.init_from is not None:
+            from loong.llm.checkpoint_init import checkpoint_model_config
+
+            cfg.model = checkpoint_model_config(cfg.model.init_from, keep=cfg.model)  # its shape, as init_from_hf
         p, m = cfg.parallel, cfg.model
         check_model_layout(m, p.tp, p.pp * (p.vpp or 1), cfg.train.seq_length, ep=p.ep, etp=p.etp)
         if p.cp > 1:
@@ -149,6 +153,10 @@ class PretrainTask(MegatronTask):
             from loong.llm import hf
 
             hf.load_hf_into(model_chunks, self.cfg.model.init_from_hf, self.cfg.model)
+        if self.cfg.model.init_from is not None:
+            from loong.llm.checkpoint_init import load_checkpoint_into
+
+            load_checkpoint_into(model_chunks, self.cfg.model)
 
     # --- data ------------------------------------------------------------------------------
     def setup_data(self) -> None:

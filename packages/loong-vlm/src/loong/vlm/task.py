@@ -89,6 +89,15 @@ class VLMTask(MegatronTask):
         from loong.vlm.hf import adopt_init_from_hf
         from loong.vlm.hf_config import VLMParts, check_parts
 
+        if cfg.foundation.init_from is not None:
+            from loong.llm.checkpoint_init import checkpoint_model_config
+
+            if cfg.model.init_from_hf is not None:
+                raise LoongError("foundation.init_from and model.init_from_hf both name the foundation's starting "
+                                 "weights; give one")
+            # a loong-llm checkpoint sets the foundation's shape (as an HF folder does for init_from_hf)
+            cfg.foundation = checkpoint_model_config(cfg.foundation.init_from, keep=cfg.foundation,
+                                                     key="foundation.init_from")
         adopt_init_from_hf(cfg)  # the folder (model.init_from_hf) or the checkpoint (train.resume) sets the shapes
         adopt_resume_checkpoint(cfg)
         check_vlm_config(cfg)
@@ -101,6 +110,11 @@ class VLMTask(MegatronTask):
             from loong.vlm.hf_config import VLMParts
 
             load_hf_into(model_chunks, self.cfg.model.init_from_hf, VLMParts.of(self.cfg))
+        if self.cfg.foundation.init_from is not None:
+            from loong.llm.checkpoint_init import load_checkpoint_into
+            from loong.vlm.hf import FOUNDATION
+
+            load_checkpoint_into(model_chunks, self.cfg.foundation, prefix=FOUNDATION, key="foundation.init_from")
 
     # --- model -----------------------------------------------------------------------------
     def model_config(self, dtype: torch.dtype) -> Any:

@@ -62,6 +62,10 @@ class DenseModelConfig:
     requires them (an error where Triton is not reported, and an unsupported input fails instead of
     falling back); ``off`` keeps megatron-core's modules (see :mod:`loong.llm.models.fused`).
 
+    Starting weights of a fresh run: ``init_from_hf`` (a Hugging Face folder) or ``init_from`` (a loong-llm
+    checkpoint: a run, checkpoints or step folder, its newest step; any layout it was saved at); either sets the
+    shape from what it names (:mod:`loong.llm.checkpoint_init`). In loong-vlm this is ``foundation.init_from``.
+
     Activation recomputation (megatron-core's): ``recompute=selective`` recomputes the core attention in
     backward instead of keeping its inputs; ``full`` keeps only each block's input and recomputes whole
     layers, in chunks of ``recompute_num_layers`` (megatron's ``uniform`` method). Same numbers, less memory,
@@ -114,6 +118,7 @@ class DenseModelConfig:
     qk_norm: bool = False
     init_std: NonNegativeFloat = 0.02
     init_from_hf: ExistingDir | None = None
+    init_from: ExistingDir | None = None
     fused_kernels: Literal["auto", "on", "off"] = "auto"
     recompute: Literal["none", "selective", "full"] = "none"
     recompute_num_layers: PositiveInt = 1
@@ -213,6 +218,8 @@ class DenseModelConfig:
 
     def validate(self, path: str) -> None:
         """Checks that do not depend on the layout (those are in :func:`check_model_layout`)."""
+        if self.init_from is not None and self.init_from_hf is not None:
+            raise LoongError(f"{path}.init_from and {path}.init_from_hf both name starting weights; give one")
         if self.num_attention_heads % self.num_query_groups:
             raise LoongError(
                 f"{path}: num_attention_heads={self.num_attention_heads} is not a multiple of "
@@ -251,7 +258,7 @@ class DenseModelConfig:
 #: architecture. ``model.init_from_hf`` takes every other field from the folder and these from the run's config
 #: (:func:`loong.llm.hf.model_config_from_hf`); a test checks that every field is one or the other.
 TRAINING_FIELDS: tuple[str, ...] = (
-    "init_from_hf", "init_std", "fused_kernels", "recompute", "recompute_num_layers", "moe_token_dispatcher",
+    "init_from_hf", "init_from", "init_std", "fused_kernels", "recompute", "recompute_num_layers", "moe_token_dispatcher",
     "moe_grouped_mm", "moe_router_bias_update_rate", "mtp_loss_scaling_factor", "dsa_stage", "indexer_loss_coeff",
     "dsa_head_chunks", "lora",
 )
