@@ -6,7 +6,8 @@ compiled runs still tracked eager. This check isolates one block (the preset's w
 tokens on CUDA; a tiny grid on CPU), random bf16 weights and inputs, two forward/backward passes (the second one is
 compared, after any recompilation), for each case of ``--cases`` (``b<batch>_<none|selective>``: batch size and
 whether the feed-forward is checkpointed as ``model.recompute=selective`` does; a ``_nosplit`` suffix compiles with
-inductor's ``split_reductions`` off, to test whether its split reductions cause the error). Relative error = max |compiled −
+inductor's ``split_reductions`` off, ``_nopersist`` with its persistent Triton reductions off, to test whether
+either causes the error; ``--grid`` changes the token count). Relative error = max |compiled −
 eager| / max |eager|; bf16 rounding alone gives ~1e-2 at most here. Prints a table and writes JSON to
 ``benchmarks/results/``.
 
@@ -35,7 +36,7 @@ def rel(got: torch.Tensor, want: torch.Tensor) -> float:
 
 
 def run_case(preset: str, batch: int, recompute: str, grid: tuple[int, int, int], text_len: int,
-             split_reductions: bool = True) -> dict:
+             split_reductions: bool = True, persistent_reductions: bool = True) -> dict:
     from loong.core.attention import CPGroups
     from loong.diffusion.models.wan import PRESETS
     from loong.diffusion.models.wan.block import WanBlock
@@ -55,6 +56,7 @@ def run_case(preset: str, batch: int, recompute: str, grid: tuple[int, int, int]
         compiled.ffn = checkpoint_wrapper(compiled.ffn)
     torch._dynamo.reset()
     torch._inductor.config.split_reductions = split_reductions
+    torch._inductor.config.triton.persistent_reductions = persistent_reductions
     compiled.compile()
     n = grid[0] * grid[1] * grid[2]
     g = torch.Generator(device=dev).manual_seed(1)
@@ -82,7 +84,8 @@ def run_case(preset: str, batch: int, recompute: str, grid: tuple[int, int, int]
                "eager_modulation_input": rel(e[2], f[2]), "compiled_modulation_input": rel(c[2], f[2])}
     worst = sorted(grads.items(), key=lambda kv: -kv[1])[:4]
     torch._inductor.config.split_reductions = True
-    suffix = "" if split_reductions else "_nosplit"
+    torch._inductor.config.triton.persistent_reductions = True
+    suffix = ("" if split_reductions else "_nosplit") + ("" if persistent_reductions else "_nopersist")
     return {"case": f"b{batch}_{recompute}{suffix}", "tokens": n, "out": rel(c[0], e[0]), "grad_x": rel(c[1], e[1]),
             "grad_modulation_input": rel(c[2], e[2]), "worst_param_grads": dict(worst), "vs_fp32_eager": vs_fp32,
             "param_grads": grads}
@@ -93,13 +96,18 @@ def main() -> None:
     p.add_argument("--preset", default="wan2_1_t2v_1_3b")
     p.add_argument("--cases", nargs="+", default=["b1_none", "b1_selective", "b2_none", "b1_none_nosplit"])
     p.add_argument("--out", default=None, help="JSON path (default: results/wan_compile_check_<gpu>_<date>.json)")
+    p.add_argument("--grid", type=int, nargs=3, default=None, metavar=("F", "H", "W"),
+                   help="the latent token grid (default: 21 30 52 on CUDA, 2 4 4 on the CPU)")
     args = p.parse_args()
     gpu = torch.cuda.is_available()
     grid, text_len = ((21, 30, 52), 512) if gpu else ((2, 4, 4), 7)
+    if args.grid:
+        grid = tuple(args.grid)
     rows = []
     for case in args.cases:
         batch, recompute, *flags = case.split("_")
-        rows.append(run_case(args.preset, int(batch[1:]), recompute, grid, text_len, "nosplit" not in flags))
+        rows.append(run_case(args.preset, int(batch[1:]), recompute, grid, text_len, "nosplit" not in flags,
+                             "nopersist" not in flags))
         r = rows[-1]
         print(f"{r['case']:<14} out {r['out']:.2e}  dx {r['grad_x']:.2e}  d(modulation input) "
               f"{r['grad_modulation_input']:.2e}  worst params {', '.join(f'{k} {v:.2e}' for k, v in r['worst_param_grads'].items())}; against fp32 eager: "
@@ -111,7 +119,7 @@ def main() -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"benchmark": "wan_compile_check", "date": time.strftime("%Y-%m-%d"),
                                "command": "python benchmarks/wan_compile_check.py " + " ".join(
-                                   f"--{k.replace('_', '-')} {' '.join(v) if isinstance(v, list) else v}"
+                                   f"--{k.replace('_', '-')} {' '.join(map(str, v)) if isinstance(v, list) else v}"
                                    for k, v in vars(args).items() if v is not None),
                                "versions": versions(["torch", "triton", "loong-core", "loong-kernels", "loong-diffusion"]), "hardware": hw, "preset": args.preset, "grid": grid,
                                "rows": rows}, indent=1))

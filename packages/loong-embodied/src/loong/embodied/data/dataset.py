@@ -147,6 +147,10 @@ class VLADataset(torch.utils.data.Dataset):
         return lead + shape
 
     # what a policy is built from
+    def sample_shape(self, key: str) -> tuple[int, ...]:
+        """A sample's shape of the camera, state or action ``key`` (channel-first, with history / chunk dims)."""
+        return self._shapes[key]
+
     @property
     def fps(self) -> int:
         """Frames per second of the dataset."""

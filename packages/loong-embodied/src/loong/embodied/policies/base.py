@@ -83,6 +83,12 @@ class VLAPolicy(nn.Module, ABC):
         """``[b, chunk_size, max_action_dim]`` normalised actions, integrated from ``noise`` (drawn when None)
         over ``config.num_inference_steps`` steps. Called under ``torch.no_grad`` by :meth:`select_action`."""
 
+    def forward(self, inputs: Mapping[str, torch.Tensor], *, noise: torch.Tensor | None = None,
+                time: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """:meth:`loss`: training calls the module itself, since the engine's wrappers (FSDP2's root unsharding,
+        DDP's gradient sync) hook ``forward``, which a direct ``policy.loss(...)`` would bypass."""
+        return self.loss(inputs, noise=noise, time=time)
+
     def blocks(self) -> list[nn.Module]:
         """The repeated transformer blocks, in order (the units FSDP2 shards and recomputation wraps);
         default: none (the whole model is one unit)."""

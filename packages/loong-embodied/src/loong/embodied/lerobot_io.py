@@ -1,0 +1,134 @@
+"""Policy folders in LeRobot's format, written from and read into Loong policies (any policy with a mapping).
+
+A LeRobot policy folder (what ``PreTrainedPolicy.save_pretrained`` and ``lerobot-train`` write) holds
+``config.json`` (the policy config, with its ``"type"``), ``model.safetensors`` (the policy's state dict),
+``policy_preprocessor.json`` / ``policy_postprocessor.json`` (the processor pipelines) and a safetensors file per
+stateful step (the normaliser's statistics). Everything policy-specific comes from the policy's mapping module
+(``POLICIES.get(name).lerobot``), which provides ``to_lerobot``, ``from_lerobot``, ``lerobot_processors``,
+``LEROBOT_TYPE`` and optionally ``fix_checkpoint`` (the key fixes lerobot's own ``from_pretrained`` applies).
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import torch
+
+from loong.core.errors import LoongError
+from loong.embodied.policies import POLICIES
+from loong.embodied.policies.base import PolicyConfig, PolicyProcessor
+
+CONFIG_FILE = "config.json"
+WEIGHTS_FILE = "model.safetensors"
+PREPROCESSOR_FILE = "policy_preprocessor.json"
+POSTPROCESSOR_FILE = "policy_postprocessor.json"
+NORMALIZER_STEP = "normalizer_processor"
+
+
+def mapping_of(policy_name: str) -> ModuleType:
+    """The LeRobot mapping module of the registered policy ``policy_name``."""
+    spec = POLICIES.get(policy_name)
+    if spec.lerobot is None:
+        raise LoongError(f"policy {policy_name!r}: lerobot ships no such policy, so it has no LeRobot export")
+    return importlib.import_module(spec.lerobot)
+
+
+def export_lerobot(policy_name: str, config: PolicyConfig, state_dict: dict[str, torch.Tensor],
+                   processor: PolicyProcessor, dst: str | Path, **mapping_options: Any) -> Path:
+    """Write ``dst``, a folder lerobot's ``<Policy>.from_pretrained(dst)`` and ``make_pre_post_processors(config,
+    pretrained_path=dst)`` load, from a Loong policy's config, state dict (full, on the host) and processor.
+    ``mapping_options`` go to the mapping's ``to_lerobot``. Returns ``dst``."""
+    from huggingface_hub import save_torch_state_dict
+
+    mapping = mapping_of(policy_name)
+    lerobot_config, lerobot_state = mapping.to_lerobot(config, state_dict, processor, **mapping_options)
+    dst = Path(dst)
+    dst.mkdir(parents=True, exist_ok=True)
+    lerobot_config._save_pretrained(dst)
+    tensors = {k: v.detach().cpu().contiguous() for k, v in lerobot_state.items()}
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    # as lerobot's PreTrainedPolicy._save_pretrained writes a gathered state dict: one model.safetensors
+    save_torch_state_dict(tensors, str(dst), max_shard_size=max(total, 1))
+    pre, post = mapping.lerobot_processors(lerobot_config, processor)
+    pre.save_pretrained(dst)
+    post.save_pretrained(dst)
+    return dst
+
+
+def _policy_for_type(lerobot_type: str, src: Path) -> str:
+    """The registered Loong policy whose mapping declares lerobot type ``lerobot_type`` (policies named like the
+    type are tried first, so a Pi0.5 folder imports no other policy's code)."""
+    names = sorted(POLICIES.names(), key=lambda n: (not n.startswith(lerobot_type), n))
+    broken: list[str] = []
+    for name in names:
+        try:
+            if POLICIES.get(name).lerobot is None:
+                continue
+            declared = getattr(mapping_of(name), "LEROBOT_TYPE", None)
+        except ImportError as exc:  # a policy whose code cannot be imported cannot be the one
+            broken.append(f"{name} ({exc})")
+            continue
+        if declared == lerobot_type:
+            return name
+    note = f"; these policies could not be imported: {', '.join(broken)}" if broken else ""
+    raise LoongError(f"{src / CONFIG_FILE}: lerobot policy type {lerobot_type!r} maps to no Loong policy (Loong's "
+                     f"policies: {', '.join(POLICIES.names())}){note}")
+
+
+def read_lerobot_stats(src: Path) -> dict[str, dict[str, torch.Tensor]] | None:
+    """The normaliser statistics in ``src``'s preprocessor (``{feature: {stat: tensor}}``), or None without one."""
+    from safetensors.torch import load_file
+
+    path = src / PREPROCESSOR_FILE
+    if not path.is_file():
+        return None
+    try:
+        pipeline = json.loads(path.read_text(encoding="utf-8"))
+    except ValueError as exc:
+        raise LoongError(f"{path}: not JSON ({exc})") from exc
+    for step in pipeline.get("steps", []):
+        if step.get("registry_name") == NORMALIZER_STEP and step.get("state_file"):
+            state_path = src / step["state_file"]
+            if not state_path.is_file():
+                raise LoongError(f"{path}: its normaliser's statistics file {state_path} is missing")
+            stats: dict[str, dict[str, torch.Tensor]] = {}
+            for name, tensor in load_file(str(state_path)).items():
+                key, stat = name.rsplit(".", 1)
+                stats.setdefault(key, {})[stat] = tensor
+            return stats
+    return None
+
+
+def import_lerobot(src: str | Path, **overrides: Any
+                   ) -> tuple[str, PolicyConfig, dict[str, torch.Tensor], dict[str, dict[str, torch.Tensor]] | None]:
+    """``(policy_name, config, state_dict, stats)`` of the LeRobot policy folder ``src`` (for fine-tuning from it):
+    the Loong policy its type maps to, its config and weights in Loong's names (as lerobot's ``from_pretrained``
+    would load them), and its normaliser statistics (None when it has no preprocessor). ``overrides`` go to the
+    mapping's ``from_lerobot`` (config fields, e.g. ``tokenizer``)."""
+    from lerobot.configs import PreTrainedConfig
+    from safetensors.torch import load_file
+
+    src = Path(src).expanduser()
+    for name in (CONFIG_FILE, WEIGHTS_FILE):
+        if not (src / name).is_file():
+            raise LoongError(f"{src}: no {name} (a LeRobot policy folder holds {CONFIG_FILE} and {WEIGHTS_FILE})")
+    try:
+        lerobot_type = json.loads((src / CONFIG_FILE).read_text(encoding="utf-8"))["type"]
+    except (ValueError, KeyError) as exc:
+        raise LoongError(f"{src / CONFIG_FILE}: not a LeRobot policy config (no \"type\")") from exc
+    policy_name = _policy_for_type(str(lerobot_type), src)
+    mapping = mapping_of(policy_name)
+    lerobot_config = PreTrainedConfig.from_pretrained(str(src), local_files_only=True)
+    state = load_file(str(src / WEIGHTS_FILE))
+    fix = getattr(mapping, "fix_checkpoint", None)
+    if fix is not None:
+        state = fix(state)
+    config, state_dict = mapping.from_lerobot(lerobot_config, state, **overrides)
+    return policy_name, config, state_dict, read_lerobot_stats(src)
+
+
+__all__ = ["export_lerobot", "import_lerobot", "mapping_of", "read_lerobot_stats"]

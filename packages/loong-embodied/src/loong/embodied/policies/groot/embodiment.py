@@ -1,0 +1,85 @@
+"""Per-embodiment projections: one weight matrix per robot ("category"), picked by ``embodiment_id``.
+
+GR00T serves robots of different bodies with one model: the state encoder, the action encoder and the action
+decoder keep a separate linear map for each of ``num_embodiments`` embodiments and gather the one each sample
+names. Parameter names (``W``, ``b``, ``layer1``, ``W1``...) are those of the published GR00T checkpoints.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class CategorySpecificLinear(nn.Module):
+    """``y = x @ W[id] + b[id]``: ``W`` ``[num_categories, in, out]``, ``b`` ``[num_categories, out]``."""
+
+    def __init__(self, num_categories: int, input_dim: int, output_dim: int) -> None:
+        super().__init__()
+        self.num_categories = num_categories
+        # GR00T's init: small random weights, zero bias
+        self.W = nn.Parameter(0.02 * torch.randn(num_categories, input_dim, output_dim))
+        self.b = nn.Parameter(torch.zeros(num_categories, output_dim))
+
+    def forward(self, x: torch.Tensor, category_ids: torch.Tensor) -> torch.Tensor:
+        """``x`` ``[b, t, in]``, ``category_ids`` ``[b]`` -> ``[b, t, out]``."""
+        return torch.bmm(x, self.W[category_ids]) + self.b[category_ids].unsqueeze(1)
+
+
+class CategorySpecificMLP(nn.Module):
+    """Two per-embodiment linears with a ReLU between (the state encoder and the action decoder)."""
+
+    def __init__(self, num_categories: int, input_dim: int, hidden_dim: int, output_dim: int) -> None:
+        super().__init__()
+        self.layer1 = CategorySpecificLinear(num_categories, input_dim, hidden_dim)
+        self.layer2 = CategorySpecificLinear(num_categories, hidden_dim, output_dim)
+
+    def forward(self, x: torch.Tensor, category_ids: torch.Tensor) -> torch.Tensor:
+        return self.layer2(F.relu(self.layer1(x, category_ids)), category_ids)
+
+
+def sinusoidal_time_encoding(timesteps: torch.Tensor, dim: int) -> torch.Tensor:
+    """``[..., dim]`` ``[sin | cos]`` encoding of (discretised) flow times ``[...]`` (GR00T's action-encoder
+    time features: frequencies ``exp(-i * ln(10000) / (dim / 2))``, computed in fp32)."""
+    timesteps = timesteps.float()
+    half = dim // 2
+    # the scalar ln(10000) is built on the host, as GR00T does, so the fp32 rounding is the same everywhere
+    exponent = -torch.arange(half, dtype=torch.float32, device=timesteps.device) * (
+        torch.log(torch.tensor(10000.0)) / half)
+    freqs = timesteps.unsqueeze(-1) * exponent.exp()
+    return torch.cat([torch.sin(freqs), torch.cos(freqs)], dim=-1)
+
+
+class MultiEmbodimentActionEncoder(nn.Module):
+    """Noisy action chunk + flow time -> action tokens ``[b, horizon, hidden]``.
+
+    ``W1`` embeds each action, the sinusoidal time encoding is concatenated, ``W2`` (swish) mixes them and ``W3``
+    projects: all three per embodiment.
+    """
+
+    def __init__(self, action_dim: int, hidden_size: int, num_embodiments: int) -> None:
+        super().__init__()
+        self.hidden_size = hidden_size
+        self.W1 = CategorySpecificLinear(num_embodiments, action_dim, hidden_size)
+        self.W2 = CategorySpecificLinear(num_embodiments, 2 * hidden_size, hidden_size)
+        self.W3 = CategorySpecificLinear(num_embodiments, hidden_size, hidden_size)
+
+    def forward(self, actions: torch.Tensor, timesteps: torch.Tensor, category_ids: torch.Tensor) -> torch.Tensor:
+        """``actions`` ``[b, horizon, action_dim]``, ``timesteps`` ``[b]`` (discretised), ``category_ids`` ``[b]``."""
+        batch, horizon, _ = actions.shape
+        if timesteps.dim() != 1 or timesteps.shape[0] != batch:
+            raise ValueError(f"timesteps must have shape ({batch},), got {tuple(timesteps.shape)}")
+        action_emb = self.W1(actions, category_ids)
+        time_emb = sinusoidal_time_encoding(timesteps.unsqueeze(1).expand(-1, horizon), self.hidden_size)
+        x = torch.cat([action_emb, time_emb.to(action_emb.dtype)], dim=-1)
+        x = self.W2(x, category_ids)
+        return self.W3(x * torch.sigmoid(x), category_ids)  # swish, written out as GR00T does
+
+
+__all__ = [
+    "CategorySpecificLinear",
+    "CategorySpecificMLP",
+    "MultiEmbodimentActionEncoder",
+    "sinusoidal_time_encoding",
+]

@@ -1,0 +1,249 @@
+"""GR00T N1.7 <-> lerobot 0.6.1 ``GrootPolicy``: the name and config mapping, declared once.
+
+State-dict names (Loong -> lerobot)::
+
+    backbone.visual.*            -> _groot_model.backbone.model.model.visual.*
+    backbone.language_model.*    -> _groot_model.backbone.model.model.language_model.*
+    action_head.*                -> _groot_model.action_head.*
+    (none: Qwen3VLModel has no LM head) <- _groot_model.backbone.model.lm_head.weight  (tied to embed_tokens:
+                                                                                   dropped on import, a copy of
+                                                                                   embed_tokens on export)
+
+Config: lerobot's ``GrootConfig`` carries the policy-level knobs (chunk, max dims, tune flags, embodiment tag);
+the network's shape lives in the raw GR00T base checkpoint it names (``base_model_path/config.json``, a
+``GR00TN17Config``) and the backbone's in that config's ``model_name`` (Cosmos-Reason2-2B: lerobot's hard-coded
+copy). :func:`write_lerobot_base` writes such a base checkpoint for a Loong config, since lerobot's
+``GrootPolicy`` always builds itself from one.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from loong.core.errors import LoongError
+from loong.embodied.policies.groot_n1_7.config import EMBODIMENT_IDS, GrootN17Config
+
+COSMOS_REASON2 = "nvidia/Cosmos-Reason2-2B"
+GROOT_N1_7_BASE = "nvidia/GR00T-N1.7-3B"
+
+#: (Loong prefix, lerobot prefix), longest first
+PREFIXES: tuple[tuple[str, str], ...] = (
+    ("backbone.visual.", "_groot_model.backbone.model.model.visual."),
+    ("backbone.language_model.", "_groot_model.backbone.model.model.language_model."),
+    ("action_head.", "_groot_model.action_head."),
+)
+LM_HEAD = "_groot_model.backbone.model.lm_head.weight"
+EMBED_TOKENS = "backbone.language_model.embed_tokens.weight"
+
+#: Loong config field -> lerobot GR00TN17Config field (the network shape in the base checkpoint's config.json)
+MODEL_FIELDS: dict[str, str] = {
+    "select_layer": "select_layer", "hidden_size": "hidden_size", "input_embedding_dim": "input_embedding_dim",
+    "backbone_embedding_dim": "backbone_embedding_dim", "num_embodiments": "max_num_embodiments",
+    "state_history_length": "state_history_length", "add_pos_embed": "add_pos_embed",
+    "max_seq_len": "max_seq_len", "use_vlln": "use_vlln", "state_dropout_prob": "state_dropout_prob",
+    "use_alternate_vl_dit": "use_alternate_vl_dit", "attend_text_every_n_blocks": "attend_text_every_n_blocks",
+    "noise_beta_alpha": "noise_beta_alpha", "noise_beta_beta": "noise_beta_beta", "noise_s": "noise_s",
+    "num_timestep_buckets": "num_timestep_buckets", "max_state_dim": "max_state_dim",
+    "max_action_dim": "max_action_dim", "chunk_size": "action_horizon",
+    "num_inference_steps": "num_inference_timesteps",
+}
+#: Loong field -> key of GR00TN17Config.diffusion_model_cfg / vl_self_attention_cfg
+DIT_FIELDS = {"dit_num_layers": "num_layers", "dit_num_heads": "num_attention_heads",
+              "dit_head_dim": "attention_head_dim", "dit_dropout": "dropout"}
+VL_SA_FIELDS = {"vl_self_attention_layers": "num_layers", "vl_self_attention_heads": "num_attention_heads",
+                "vl_self_attention_head_dim": "attention_head_dim", "vl_self_attention_dropout": "dropout"}
+#: Loong field -> lerobot GrootConfig field (policy level)
+POLICY_FIELDS = {"chunk_size": "chunk_size", "n_action_steps": "n_action_steps", "max_state_dim": "max_state_dim",
+                 "max_action_dim": "max_action_dim", "tune_llm": "tune_llm", "tune_visual": "tune_visual",
+                 "tune_projector": "tune_projector", "tune_diffusion_model": "tune_diffusion_model",
+                 "tune_vlln": "tune_vlln", "tune_top_llm_layers": "tune_top_llm_layers",
+                 "embodiment_tag": "embodiment_tag", "num_inference_steps": "num_inference_timesteps"}
+
+
+def to_lerobot_key(name: str) -> str:
+    for ours, theirs in PREFIXES:
+        if name.startswith(ours):
+            return theirs + name[len(ours):]
+    raise LoongError(f"groot_n1_7 -> lerobot: no lerobot name for parameter '{name}'")
+
+
+to_lerobot_name = to_lerobot_key
+
+
+def from_lerobot_key(name: str) -> str | None:
+    """The Loong name of a lerobot GrootPolicy key (None: the tied LM head, which Loong does not hold)."""
+    if name == LM_HEAD:
+        return None
+    for ours, theirs in PREFIXES:
+        if name.startswith(theirs):
+            return ours + name[len(theirs):]
+    raise LoongError(f"lerobot -> groot_n1_7: unknown GrootPolicy parameter '{name}'")
+
+
+from_lerobot_name = from_lerobot_key
+
+
+def lerobot_model_config(config: GrootN17Config, model_name: str) -> dict[str, Any]:
+    """lerobot ``GR00TN17Config`` kwargs (fp32) for ``config``, with the backbone at ``model_name``."""
+    out: dict[str, Any] = {theirs: getattr(config, ours) for ours, theirs in MODEL_FIELDS.items()}
+    out.update(model_name=model_name, backbone_model_type="qwen", model_dtype="float32", dtype="float32",
+               tune_llm=config.tune_llm, tune_visual=config.tune_visual, tune_projector=config.tune_projector,
+               tune_diffusion_model=config.tune_diffusion_model, tune_vlln=config.tune_vlln,
+               tune_top_llm_layers=config.tune_top_llm_layers)
+    out["diffusion_model_cfg"] = {
+        "positional_embeddings": None, "norm_type": "ada_norm", "final_dropout": True,
+        "output_dim": config.hidden_size, "interleave_self_attention": True,
+        **{theirs: getattr(config, ours) for ours, theirs in DIT_FIELDS.items()}}
+    out["vl_self_attention_cfg"] = {
+        "positional_embeddings": None, "final_dropout": True,
+        **{theirs: getattr(config, ours) for ours, theirs in VL_SA_FIELDS.items()}}
+    return out
+
+
+def config_from_lerobot_model(model_config: Mapping[str, Any], **policy: Any) -> GrootN17Config:
+    """A Loong config from a ``GR00TN17Config`` (dict or object) plus Loong policy-level fields ``policy``."""
+    get = (model_config.get if isinstance(model_config, Mapping)
+           else lambda k, d=None: getattr(model_config, k, d))
+    fields: dict[str, Any] = {}
+    for ours, theirs in MODEL_FIELDS.items():
+        if get(theirs) is not None:
+            fields[ours] = get(theirs)
+    dit, vl_sa = get("diffusion_model_cfg") or {}, get("vl_self_attention_cfg") or {}
+    fields.update({ours: dit[theirs] for ours, theirs in DIT_FIELDS.items() if theirs in dit})
+    fields.update({ours: vl_sa[theirs] for ours, theirs in VL_SA_FIELDS.items() if theirs in vl_sa})
+    if dit.get("output_dim", fields.get("hidden_size")) != fields.get("hidden_size", 1024):
+        raise LoongError("lerobot -> groot_n1_7: diffusion_model_cfg.output_dim must equal hidden_size")
+    if vl_sa.get("num_layers", 0) == 0:
+        fields["vl_self_attention_layers"] = 0
+    model_name = str(get("model_name") or COSMOS_REASON2)
+    if model_name.rstrip("/") != COSMOS_REASON2:
+        path = Path(model_name) / "config.json"
+        if not path.is_file():
+            raise LoongError(f"lerobot -> groot_n1_7: backbone model_name {model_name!r} is not a local folder "
+                             "with config.json (only nvidia/Cosmos-Reason2-2B is known without one)")
+        fields["backbone"] = {k: v for k, v in json.loads(path.read_text()).items()
+                              if k not in ("architectures", "transformers_version", "model_type", "dtype")}
+    fields.update(policy)
+    return GrootN17Config(**fields)
+
+
+def from_lerobot(lerobot_config: Any, lerobot_state_dict: Mapping[str, torch.Tensor], *,
+                 model_config: Mapping[str, Any] | Any | None = None,
+                 processor: str | None = None) -> tuple[GrootN17Config, dict[str, torch.Tensor]]:
+    """``(config, state_dict)`` of a lerobot ``GrootPolicy``: its ``GrootConfig``, its state dict, and the
+    network's ``GR00TN17Config`` (``model_config``; default: read from ``base_model_path/config.json``)."""
+    if model_config is None:
+        path = Path(str(lerobot_config.base_model_path)) / "config.json"
+        if not path.is_file():
+            raise LoongError(f"lerobot -> groot_n1_7: {path} not found; pass model_config (the GR00TN17Config "
+                             "of the policy, e.g. policy._groot_model.config)")
+        model_config = json.loads(path.read_text())
+    # the network's shape (horizon, max dims) is the base checkpoint's; GrootConfig adds the policy knobs
+    policy = {ours: getattr(lerobot_config, theirs) for ours, theirs in POLICY_FIELDS.items()
+              if ours not in ("chunk_size", "max_state_dim", "max_action_dim")
+              and getattr(lerobot_config, theirs, None) is not None}
+    if policy.get("embodiment_tag") not in EMBODIMENT_IDS:
+        policy.pop("embodiment_tag", None)
+    horizon = (model_config.get("action_horizon") if isinstance(model_config, Mapping)
+               else getattr(model_config, "action_horizon", None)) or 40
+    policy["n_action_steps"] = min(int(policy.get("n_action_steps", horizon)), int(horizon))
+    policy["processor"] = processor
+    config = config_from_lerobot_model(model_config, **policy)
+    state: dict[str, torch.Tensor] = {}
+    for name, value in lerobot_state_dict.items():
+        ours = from_lerobot_key(name)
+        if ours is not None:
+            state[ours] = value
+    return config, state
+
+
+def to_lerobot(config: GrootN17Config, state_dict: Mapping[str, torch.Tensor], processor: Any = None, *,
+               base_model_path: str | None = None) -> tuple[Any, dict[str, torch.Tensor]]:
+    """``(GrootConfig, state_dict)`` for lerobot's ``GrootPolicy``.
+
+    ``base_model_path``: the raw GR00T base checkpoint lerobot builds the policy from (default: nvidia's
+    GR00T-N1.7-3B, only right for the published shape; :func:`write_lerobot_base` writes one for any config).
+    ``processor`` (a :class:`~.processor.GrootN17Processor`): gives the camera, state and action features.
+    """
+    from lerobot.configs import FeatureType, PolicyFeature
+    from lerobot.policies.groot.configuration_groot import GrootConfig
+
+    if base_model_path is None:
+        if config.backbone is not None:
+            raise LoongError("groot_n1_7 -> lerobot: a non-published backbone needs base_model_path (see "
+                             "write_lerobot_base)")
+        base_model_path = GROOT_N1_7_BASE
+    kwargs: dict[str, Any] = {theirs: getattr(config, ours) for ours, theirs in POLICY_FIELDS.items()}
+    kwargs.update(base_model_path=base_model_path, use_bf16=False, model_params_fp32=True)
+    if processor is not None:
+        h, w = config.image_target_size
+        inputs = {cam: PolicyFeature(type=FeatureType.VISUAL, shape=(3, h, w)) for cam in processor.camera_keys}
+        inputs[processor.state_key] = PolicyFeature(type=FeatureType.STATE, shape=(processor.state_dim,))
+        kwargs["input_features"] = inputs
+        kwargs["output_features"] = {processor.action_key: PolicyFeature(type=FeatureType.ACTION,
+                                                                          shape=(processor.action_dim,))}
+    lerobot_config = GrootConfig(**kwargs)
+    for ours, theirs in POLICY_FIELDS.items():  # GrootConfig silently remaps "N1.5 defaults": refuse those
+        if getattr(lerobot_config, theirs) != getattr(config, ours):
+            raise LoongError(f"groot_n1_7 -> lerobot: lerobot's GrootConfig changes {theirs}={getattr(config, ours)}"
+                             f" to {getattr(lerobot_config, theirs)} (a GR00T N1.5 default); pick another value")
+    out = {to_lerobot_key(k): v for k, v in state_dict.items()}
+    if EMBED_TOKENS in state_dict:
+        out[LM_HEAD] = state_dict[EMBED_TOKENS].clone()
+    return lerobot_config, out
+
+
+def lerobot_dataset_stats(processor: Any) -> dict[str, dict[str, torch.Tensor]]:
+    """The min/max statistics in the form lerobot's ``make_groot_pre_post_processors(dataset_stats=...)`` takes."""
+    return {k: {n: v.clone() for n, v in s.items()} for k, s in processor.stats.items()}
+
+
+def lerobot_processors(lerobot_config: Any, processor: Any) -> tuple[Any, Any]:
+    """lerobot's GR00T N1.7 pre/post-processor pipelines (``make_groot_pre_post_processors``) with
+    ``processor``'s min/max statistics. lerobot's VLM-encode step names the hard-coded
+    ``nvidia/Cosmos-Reason2-2B`` processor (saved pipelines load it from the HF cache); in this process it is
+    handed ``processor``'s own Qwen3-VL processor."""
+    from lerobot.policies.groot.processor_groot import GrootN17VLMEncodeStep, make_groot_pre_post_processors
+
+    pre, post = make_groot_pre_post_processors(lerobot_config, dataset_stats=lerobot_dataset_stats(processor))
+    for step in pre.steps:
+        if isinstance(step, GrootN17VLMEncodeStep):
+            step._proc = processor.vlm
+    return pre, post
+
+
+def write_lerobot_base(config: GrootN17Config, state_dict: Mapping[str, torch.Tensor], directory: str | Path) -> Path:
+    """Write a raw GR00T N1.7 base checkpoint (``config.json`` + ``model.safetensors`` of ``GR00TN17``) with
+    these weights into ``directory`` (and, for a non-published backbone, its Qwen3-VL ``config.json`` into
+    ``directory/backbone``); the path is what :func:`to_lerobot`'s ``base_model_path`` names."""
+    from safetensors.torch import save_file
+
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    model_name = COSMOS_REASON2
+    if config.backbone is not None:
+        from transformers import Qwen3VLConfig
+
+        backbone_dir = directory / "backbone"
+        Qwen3VLConfig(**config.backbone).save_pretrained(str(backbone_dir))
+        model_name = str(backbone_dir.resolve())
+    model_config = lerobot_model_config(config, model_name)
+    model_config.update(model_type="Gr00tN1d7", architectures=["GR00TN17"])
+    (directory / "config.json").write_text(json.dumps(model_config, indent=2))
+    prefix = "_groot_model."
+    weights = {}
+    for k, v in state_dict.items():
+        name = to_lerobot_key(k)
+        weights[name[len(prefix):]] = v.detach().contiguous().clone()
+    save_file(weights, str(directory / "model.safetensors"))
+    return directory
+
+
+__all__ = ["PREFIXES", "from_lerobot", "from_lerobot_key", "from_lerobot_name", "lerobot_dataset_stats",
+           "lerobot_model_config", "lerobot_processors", "to_lerobot", "to_lerobot_key", "to_lerobot_name",
+           "write_lerobot_base"]
