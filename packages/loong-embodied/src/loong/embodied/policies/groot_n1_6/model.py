@@ -87,7 +87,10 @@ class GrootN16Policy(VLAPolicy):
             if key not in inputs:
                 raise LoongError(f"groot_n1_6.loss: model inputs lack {key!r} (made by the processor with train=True)")
         tokens, vl_mask, image_mask = self._vl(inputs)
-        loss, metrics = self.action_head.loss(tokens, inputs["state"], inputs["action"], inputs["action_mask"],
+        # the robot side arrives in fp32 (the task does not cast inputs); the head computes in the backbone's dtype
+        dtype = tokens.dtype
+        loss, metrics = self.action_head.loss(tokens, inputs["state"].to(dtype), inputs["action"].to(dtype),
+                                              inputs["action_mask"],
                                               inputs["embodiment_id"], vl_mask=vl_mask, image_mask=image_mask,
                                               noise=noise, time=time)
         return loss, {"loss": loss.detach(), **{k: v for k, v in metrics.items() if v.dim() == 0}}
@@ -96,7 +99,8 @@ class GrootN16Policy(VLAPolicy):
     def predict_action_chunk(self, inputs: Mapping[str, torch.Tensor], *,
                              noise: torch.Tensor | None = None) -> torch.Tensor:
         tokens, vl_mask, image_mask = self._vl(inputs)
-        return self.action_head.sample(tokens, inputs["state"], inputs["embodiment_id"], vl_mask=vl_mask,
+        return self.action_head.sample(tokens, inputs["state"].to(tokens.dtype), inputs["embodiment_id"],
+                                       vl_mask=vl_mask,
                                        image_mask=image_mask, noise=noise,
                                        num_steps=self.config.num_inference_steps)
 
