@@ -100,7 +100,7 @@ def run_train(config_module: str, config_name: str, overrides: list[str], schema
         return 0
     if result.first_loss is not None and result.last_loss is not None:
         drop = 1 - result.last_loss / result.first_loss
-        print(f"loss {result.first_loss:.4f} -> {result.last_loss:.4f} ({drop:.0%} lower) "
+        print(f"loss {result.first_loss:.4f} -> {result.last_loss:.4f} ({abs(drop):.0%} {'lower' if drop >= 0 else 'higher'}) "
               f"in {result.summary['steps']} steps, {result.summary['wall_s']} s", file=sys.stderr)
         print(f"wrote {result.run_dir}/: checkpoints/ ({result.checkpoint.name if result.checkpoint else '-'}), "
               f"metrics.jsonl, tensorboard/, loss.png" + (f", {export_label} ({result.hf_dir})" if result.hf_dir else ""),
