@@ -22,7 +22,7 @@ from loong.llm.schema import LLMRunConfig
 PRESETS = ["llama3_2_1b", "qwen2_5_0_5b", "qwen3_0_6b", "qwen3_30b_a3b_4l", "deepseek_v3_4l", "deepseek_v3_2_4l"]
 
 # a value other than the default for every training field
-CHANGED = {"init_from_hf": "somewhere", "init_std": 0.005, "fused_kernels": "off", "recompute": "full",
+CHANGED = {"init_from_hf": "somewhere", "init_from": "elsewhere", "init_std": 0.005, "fused_kernels": "off", "recompute": "full",
            "recompute_num_layers": 2, "moe_token_dispatcher": "allgather", "moe_grouped_mm": True,
            "moe_router_bias_update_rate": 0.01, "mtp_loss_scaling_factor": 0.3, "dsa_stage": "dense_warmup",
            "indexer_loss_coeff": 0.5, "dsa_head_chunks": 4, "lora": LoraConfig(rank=4)}
