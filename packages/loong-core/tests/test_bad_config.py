@@ -14,10 +14,12 @@ from pathlib import Path
 import pytest
 
 from loong.diffusion.cli import main as diffusion_main
+from loong.embodied.cli import main as embodied_main
 from loong.llm.cli import main as llm_main
 from loong.vlm.cli import main as vlm_main
 
-CLIS = {"loong-llm": llm_main, "loong-diffusion": diffusion_main, "loong-vlm": vlm_main}
+CLIS = {"loong-llm": llm_main, "loong-diffusion": diffusion_main, "loong-vlm": vlm_main,
+        "loong-embodied": embodied_main}
 MISSING = "/nonexistent/loong-test-path"
 
 #: (cli, overrides, the error line's text after "error: ")
@@ -103,6 +105,15 @@ CASES = [
     ("loong-vlm", ["data.num_workers=-1"], "data.num_workers=-1: must be >= 0"),
     ("loong-vlm", [f"data.processor={MISSING}"], f"data.processor={MISSING}: must be an existing folder"),
     ("loong-vlm", ["data.overlong=cut"], "data.overlong: 'cut' is not one of"),
+    # loong-embodied: the run's keys and the chosen policy's own config (model.config.*)
+    ("loong-embodied", ["train.steps=0"], "train.steps=0: must be >= 1"),
+    ("loong-embodied", ["model.recompute=half"], "model.recompute: 'half' is not one of"),
+    ("loong-embodied", ["model.config.chunk_sise=4"], "unknown config key 'model.config.chunk_sise'"),
+    ("loong-embodied", ["data.num_workers=-1"], "data.num_workers=-1: must be >= 0"),
+    ("loong-embodied", ["data.synthetic_episodes=0"], "data.synthetic_episodes=0: must be >= 1"),
+    ("loong-embodied", ["data.on_error=ignore"], "data.on_error: 'ignore' is not one of"),
+    ("loong-embodied", ["data.video_backend=ffmpeg"], "data.video_backend: 'ffmpeg' is not one of"),
+    ("loong-embodied", ["data.weights=[-1.0]"], "data.weights[0]=-1.0: must be > 0"),
 ]  # fmt: skip
 
 
