@@ -144,8 +144,8 @@ class VLATask(FSDPTask):
         self.gbs, self.mbs = c.train.global_batch_size, c.train.micro_batch_size
         roots = self._roots()
         if len(roots) > 1:
-            # TODO(lead): a mix needs the processor to take the mixture's per-source normalisation (build_mixture's
-            # norm_map) instead of one dataset's statistics; until then one dataset per run
+            # a mix normalises each source with its own statistics (build_mixture's norm_map), but the processors
+            # take one dataset's; until they accept the mixture's, a run reads one dataset (docs/embodied.md)
             raise LoongError(f"data.repo_root: {len(roots)} datasets; training on a mix is not wired to the policies' "
                              "processors yet: train on one dataset")
         # values stay raw in the mixture: the policy's processor normalises them with the dataset's statistics

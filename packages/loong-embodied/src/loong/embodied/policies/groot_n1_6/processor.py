@@ -37,6 +37,7 @@ import torch.nn.functional as F
 from loong.core.errors import LoongError
 from loong.embodied.policies.base import PolicyConfig, PolicyProcessor
 from loong.embodied.policies.groot_n1_6.config import TINY_TOKENIZER, GrootN16Config
+from loong.embodied.policies.word_tokenizer import reach_vocabulary, word_level_backend
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -56,27 +57,15 @@ TOKENIZER_DIR = "tokenizer"
 # --- tokenizer ---------------------------------------------------------------------------------------------------
 def tiny_vocabulary() -> list[str]:
     """The tiny tokenizer's tokens in id order (see the module docstring)."""
-    from loong.embodied.envs.reach import COLOURS, instruction_for
-
-    words = [*SPECIAL_TOKENS, "<unk>", *PROMPT_WORDS]
-    for colour in COLOURS:
-        for word in formalize(instruction_for(colour)).split():
-            if word not in words:
-                words.append(word)
-    return words
+    return reach_vocabulary([*SPECIAL_TOKENS, "<unk>", *PROMPT_WORDS], formalize)
 
 
 def tiny_tokenizer() -> PreTrainedTokenizerBase:
     """The built-in word-level tokenizer (Eagle's special tokens split out before the whitespace split)."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    vocab = {word: i for i, word in enumerate(tiny_vocabulary())}
-    backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
-    backend.pre_tokenizer = pre_tokenizers.Whitespace()
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<|endoftext|>", unk_token="<unk>",
-                                        additional_special_tokens=list(SPECIAL_TOKENS[1:]))
-    return tokenizer
+    return PreTrainedTokenizerFast(tokenizer_object=word_level_backend(tiny_vocabulary()), pad_token="<|endoftext|>",
+                                   unk_token="<unk>", additional_special_tokens=list(SPECIAL_TOKENS[1:]))
 
 
 def load_tokenizer(name: str | None) -> PreTrainedTokenizerBase:

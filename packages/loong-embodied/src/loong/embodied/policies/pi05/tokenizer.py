@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 
 from loong.core.errors import LoongError
 from loong.embodied.policies.pi05.config import PALIGEMMA_TOKENIZER, TINY_TOKENIZER
+from loong.embodied.policies.word_tokenizer import reach_vocabulary, word_level_backend
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -22,25 +23,18 @@ PROMPT_WORDS = ("Task", "State", "Action", ":", ",", ";", "-", ".")
 
 def tiny_vocabulary() -> list[str]:
     """The tiny tokenizer's tokens, in id order."""
-    from loong.embodied.envs.reach import COLOURS, instruction_for
-
-    words: list[str] = [*SPECIAL_TOKENS, *PROMPT_WORDS, *(str(i) for i in range(256))]
-    for colour in COLOURS:
-        for word in instruction_for(colour).split():
-            if word not in words:
-                words.append(word)
-    return words
+    return reach_vocabulary([*SPECIAL_TOKENS, *PROMPT_WORDS, *(str(i) for i in range(256))])
 
 
 def tiny_tokenizer() -> PreTrainedTokenizerBase:
     """The built-in word-level tokenizer (see the module docstring)."""
-    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+    from tokenizers import processors
     from transformers import PreTrainedTokenizerFast
 
-    vocab = {word: i for i, word in enumerate(tiny_vocabulary())}
-    backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
-    backend.pre_tokenizer = pre_tokenizers.Whitespace()
-    backend.post_processor = processors.TemplateProcessing(single="<bos> $A", special_tokens=[("<bos>", vocab["<bos>"])])
+    words = tiny_vocabulary()
+    backend = word_level_backend(words)
+    backend.post_processor = processors.TemplateProcessing(single="<bos> $A",
+                                                           special_tokens=[("<bos>", words.index("<bos>"))])
     return PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", eos_token="<eos>", bos_token="<bos>",
                                    unk_token="<unk>")
 
