@@ -35,9 +35,9 @@ def _weights(run: Path) -> dict[str, torch.Tensor]:
     from megatron.core.dist_checkpointing.serialization import load_plain_tensors
 
     from loong.core.checkpoint import resolve_checkpoint
-    from loong.llm.checkpoint_init import _process_group
+    from loong.llm.checkpoint_init import process_group
 
-    with _process_group():
+    with process_group():
         return load_plain_tensors(str(resolve_checkpoint(run)))
 
 

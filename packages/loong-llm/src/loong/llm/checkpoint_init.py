@@ -26,7 +26,7 @@ from loong.llm.models.hf_mapping import native_shapes
 
 
 @contextlib.contextmanager
-def _process_group() -> Iterator[None]:
+def process_group() -> Iterator[None]:
     """A one-process CPU group for megatron's checkpoint reader when none exists (``convert``); a training run's
     own group otherwise."""
     if dist.is_initialized():
@@ -74,7 +74,7 @@ def read_model_weights(path: str | Path, merge_lora: bool = False,
     model_cfg = checkpoint_model_config(step_dir, key=key)
     from megatron.core.dist_checkpointing.serialization import load_plain_tensors
 
-    with _process_group():
+    with process_group():
         plain = load_plain_tensors(str(step_dir))
     wanted = native_shapes(model_cfg)
     adapters = [k for k in plain if is_adapter_key(k) and not k.startswith("optimizer.")]
@@ -107,4 +107,4 @@ def load_checkpoint_into(model_chunks: list[torch.nn.Module], cfg: DenseModelCon
         load_full_state(model_chunks, full, select=(lambda k: k.startswith(prefix)) if prefix else None)
 
 
-__all__ = ["checkpoint_model_config", "load_checkpoint_into", "read_model_weights"]
+__all__ = ["checkpoint_model_config", "load_checkpoint_into", "process_group", "read_model_weights"]
