@@ -398,7 +398,10 @@ def loong_command(policy: str, preset: str, args: Any, prep: dict[str, Any], out
     import torch
 
     gpu = torch.cuda.is_available()
-    return [sys.executable, "-m", "loong.embodied.cli", "train", f"model.policy={policy}", f"model.preset={preset}",
+    # the policy option (policy=pi05, policy=groot_n1_7_tiny, ...) as a user picks it: the published ones carry the
+    # published schedule (only the lr differs from `model.policy=... model.preset=...`; step time does not)
+    option = f"{policy}_tiny" if preset == "tiny" else preset
+    return [sys.executable, "-m", "loong.embodied.cli", "train", f"policy={option}",
             f"data.repo_root={prep['dataset']['root']}", f"train.global_batch_size={args.batch}",
             f"train.micro_batch_size={args.batch}", f"train.steps={args.steps}",
             f"train.precision={'bf16' if gpu else 'fp32'}", f"data.num_workers={args.workers}",

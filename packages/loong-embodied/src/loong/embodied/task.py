@@ -20,6 +20,7 @@ from __future__ import annotations
 import hashlib
 import json
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -158,6 +159,7 @@ class VLATask(FSDPTask):
         self._train_loader: Any = None
         self._train_iter: Iterator[dict] | None = None
         self._train_next: tuple[int, int] | None = None
+        self._data_wait_s = 0.0
         if self.layout.is_logging_rank:
             ds = self.dataset
             print(f"embodied data: {ds.root}: {ds.num_episodes} episodes, {len(ds)} frames, cameras "
@@ -205,7 +207,11 @@ class VLATask(FSDPTask):
             self._train_loader = self._loader(self.cfg.train.seed, step, self.cfg.data.num_workers)
             self._train_iter = iter(self._train_loader)
         self._train_next = (step + 1, num_microbatches)
-        return iter([self._seeded(next(self._train_iter), step, m) for m in range(num_microbatches)])
+        # the host's wait for the loader (decoding and processing run ahead in its workers): the step's data wait
+        waited = time.perf_counter()
+        batches = [self._seeded(next(self._train_iter), step, m) for m in range(num_microbatches)]
+        self._data_wait_s = time.perf_counter() - waited
+        return iter(batches)
 
     def eval_microbatches(self, index: int, num_microbatches: int) -> Iterator[dict]:
         # a stream of its own (seed + 1) and draws of their own (EVAL_OFFSET): the same batches at every evaluation
@@ -214,7 +220,8 @@ class VLATask(FSDPTask):
 
     def after_train_step(self, step: int, extra: dict[str, float]) -> dict[str, float]:
         skipped = getattr(self._train_loader, "num_skipped", 0)
-        return {"skipped_samples": float(skipped)} if skipped else {}
+        out = {"data_wait_s": self._data_wait_s}
+        return {**out, "skipped_samples": float(skipped)} if skipped else out
 
     # --- model and loss ----------------------------------------------------------------------
     def build_model(self) -> nn.Module:
