@@ -1,3 +1,5 @@
 """Loong core: registry, config, accelerators, parallel layouts, engines, trainer, checkpoints, CLI kit."""
 
-__version__ = "0.1.0.dev0"
+from importlib.metadata import version as _package_version
+
+__version__ = _package_version("loong-core")  # pyproject.toml's `version`, the one source

@@ -12,6 +12,8 @@ Activations use megatron-core's layouts: ``[s, b, hidden]`` for norms, SwiGLU an
 See ``docs/kernels.md`` for the contracts and measured speed.
 """
 
+from importlib.metadata import version as _package_version
+
 from loong.kernels._dispatch import Backend, KernelUnsupportedError, interpreting, triton_available
 from loong.kernels.cross_entropy import fused_linear_cross_entropy, fused_linear_cross_entropy_reference
 from loong.kernels.dsa import (
@@ -43,7 +45,7 @@ from loong.kernels.rope import (
 )
 from loong.kernels.swiglu import swiglu, swiglu_reference
 
-__version__ = "0.1.0.dev0"
+__version__ = _package_version("loong-kernels")  # pyproject.toml's `version`, the one source
 
 __all__ = [
     "FP8_MAX",

@@ -1,3 +1,5 @@
 """Loong LLM: dense LLaMA/Qwen families, their Hugging Face mappings, text data and the `loong-llm` command."""
 
-__version__ = "0.1.0.dev0"
+from importlib.metadata import version as _package_version
+
+__version__ = _package_version("loong-llm")  # pyproject.toml's `version`, the one source

@@ -1,3 +1,5 @@
 """Loong VLM: vision encoders, projectors and VLM assembly over loong-llm foundations."""
 
-__version__ = "0.1.0.dev0"
+from importlib.metadata import version as _package_version
+
+__version__ = _package_version("loong-vlm")  # pyproject.toml's `version`, the one source

@@ -4,4 +4,6 @@ The accelerator lives in :mod:`loong.xpu.accelerator` and is found through the `
 entry point; importing this package imports neither torch nor Kunlun's runtime.
 """
 
-__version__ = "0.1.0.dev0"
+from importlib.metadata import version as _package_version
+
+__version__ = _package_version("loong-xpu")  # pyproject.toml's `version`, the one source
