@@ -85,3 +85,27 @@ def test_the_scan_finds_imports() -> None:
     """The import scan finds what it must (a guard against a scan that silently finds nothing)."""
     uses = imported("loong-vlm")
     assert "loong-llm" in uses and "loong-core" in uses
+
+
+def wheel_requires(wheel: Path) -> set[str]:
+    """The Loong distributions a built wheel's METADATA ``Requires-Dist`` names (extras' requirements included)."""
+    import email.parser
+    import zipfile
+
+    with zipfile.ZipFile(wheel) as zf:
+        meta = next(n for n in zf.namelist() if n.endswith(".dist-info/METADATA"))
+        headers = email.parser.Parser().parsestr(zf.read(meta).decode())
+    names = {re.split(r"[\s\[<>=!~;(]", r, maxsplit=1)[0].strip().lower().replace("_", "-")
+             for r in headers.get_all("Requires-Dist") or []}
+    return {n for n in names if n.startswith("loong-")}
+
+
+@pytest.mark.parametrize("pkg", sorted(ALLOWED))
+def test_wheel_requires_point_down(pkg: str, built_wheels: dict[str, Path]) -> None:
+    """What the built wheel asks an installer for, not only what pyproject.toml says, points down."""
+    requires = wheel_requires(built_wheels[pkg])
+    bad = requires - ALLOWED[pkg]
+    assert not bad, f"{built_wheels[pkg].name} Requires-Dist {sorted(bad)}: arrows may only point to " \
+                    f"{sorted(ALLOWED[pkg]) or 'nothing'}"
+    # the wheel and the pyproject agree: a build backend that drops or adds a sibling is caught here
+    assert requires - {pkg} == declared(pkg), (requires, declared(pkg))
