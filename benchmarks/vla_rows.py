@@ -389,6 +389,8 @@ def run_lerobot(policy: str, args: Any, prep: dict[str, Any], tmp: Path, extra: 
 
 # ------------------------------------------------------------------------------------------------ loong-embodied
 
+#: how many lines of the profiler's operator table a row keeps
+PROFILE_LINES = 60
 #: keys of a metrics record that may hold the data wait of a step (whichever the task logs; None when none does)
 LOONG_DATA_KEYS = ("data_wait_s", "data_s", "data_time_s", "data_wait")
 
@@ -444,6 +446,11 @@ def run_loong(policy: str, preset: str, args: Any, prep: dict[str, Any], tmp: Pa
                   peak_source="Loong's peak_memory_gib (torch.cuda.max_memory_allocated since the loop began)",
                   smi_gib=smi.peak_gib)
     out["data_wait_key"] = key
+    # train.profile_steps (e.g. --loong-extra 'train.profile_steps=[14,15]'): the profiler's operator table (by
+    # device time) into the JSON, since the run folder is a temporary one
+    ops = sorted(glob.glob(str(tmp / "loong_out" / "**" / "profile" / "ops.txt"), recursive=True))
+    if ops:
+        out["profile_ops"] = Path(ops[-1]).read_text().splitlines()[:PROFILE_LINES]
     out["command"] = _shell([c.replace(sys.executable, "python") for c in cmd])
     out["first_record"] = recs[0] if recs else None
     return out

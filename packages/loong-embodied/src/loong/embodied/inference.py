@@ -50,6 +50,7 @@ from loong.core.config.schema import from_dict
 from loong.core.engines.fsdp.checkpoint import EMA_KEY, check_same_model
 from loong.core.errors import LoongError
 from loong.embodied.data.dataset import IMAGE_PREFIX
+from loong.embodied.data.normalize import SOURCE_KEY
 from loong.embodied.policies import POLICIES, PolicyConfig, PolicyProcessor, PolicySpec, VLAPolicy
 
 #: where a run keeps what the processor and the policy's config need, beside ``checkpoints/``
@@ -214,6 +215,26 @@ def expected_cameras(processor: PolicyProcessor) -> list[str] | None:
     return None if keys is None else list(keys)
 
 
+def resolve_source(processor: Any, source: int | str | None) -> int:
+    """The dataset index that ``source`` names in a mix-trained processor's sources (an index, a dataset folder
+    or its name; None: 0, the first dataset)."""
+    sources = getattr(processor, "sources", None) or []
+    if source is None:
+        return 0
+    n = max(len(sources), 1)
+    if isinstance(source, int) or (isinstance(source, str) and source.isdigit()):
+        index = int(source)
+        if not 0 <= index < n:
+            raise LoongError(f"source: {index} is not one of the policy's {n} dataset(s) (0..{n - 1})")
+        return index
+    for i, record in enumerate(sources):
+        if source in (record.get("root"), record.get("name")) or (
+                record.get("root") and Path(str(source)).expanduser().resolve() == Path(record["root"])):
+            return i
+    known = ", ".join(f"{i}: {r.get('name')}" for i, r in enumerate(sources)) or "one dataset, no names recorded"
+    raise LoongError(f"source: {source!r} names none of the policy's datasets ({known})")
+
+
 class PolicyRunner:
     """Robot observations in, robot actions out, for one robot (see the module docstring for the formats).
 
@@ -224,8 +245,9 @@ class PolicyRunner:
     """
 
     def __init__(self, loaded: LoadedPolicy, *, seed: int | None = 0, n_action_steps: int | None = None,
-                 default_task: str | None = None) -> None:
+                 default_task: str | None = None, source: int | str | None = None) -> None:
         self.loaded = loaded
+        self.source = resolve_source(loaded.processor, source)
         self.config = loaded.config
         steps = self.config.n_action_steps if n_action_steps is None else n_action_steps
         if not isinstance(steps, int) or not 1 <= steps <= self.config.chunk_size:
@@ -271,6 +293,8 @@ class PolicyRunner:
         batch: dict[str, Any] = {key: image_tensor(key, observation[key])[None] for key in cameras}
         batch[self.state_key] = torch.from_numpy(state)[None]
         batch[TASK_KEY] = [task]
+        if self.source:  # a mix's policy: the source's statistics and embodiment (0 needs no key)
+            batch[SOURCE_KEY] = torch.tensor([self.source], dtype=torch.long)
         if observation.get(EMBODIMENT_KEY) is not None:
             try:
                 batch[EMBODIMENT_KEY] = torch.tensor([int(observation[EMBODIMENT_KEY])], dtype=torch.long)
@@ -297,7 +321,9 @@ class PolicyRunner:
         inputs = {k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
         with self._autocast():
             chunk = self.loaded.policy.predict_action_chunk(inputs, noise=self._noise())
-        actions = self.loaded.processor.postprocess(chunk.float().cpu())
+        processor = self.loaded.processor
+        actions = (processor.postprocess(chunk.float().cpu(), source=self.source) if self.source
+                   else processor.postprocess(chunk.float().cpu()))
         return actions[0].float().numpy()
 
     def infer(self, observation: Mapping[str, Any]) -> dict[str, np.ndarray]:

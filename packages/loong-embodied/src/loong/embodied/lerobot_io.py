@@ -5,7 +5,9 @@ A LeRobot policy folder (what ``PreTrainedPolicy.save_pretrained`` and ``lerobot
 ``policy_preprocessor.json`` / ``policy_postprocessor.json`` (the processor pipelines) and a safetensors file per
 stateful step (the normaliser's statistics). Everything policy-specific comes from the policy's mapping module
 (``POLICIES.get(name).lerobot``), which provides ``to_lerobot``, ``from_lerobot``, ``lerobot_processors``,
-``LEROBOT_TYPE`` and optionally ``fix_checkpoint`` (the key fixes lerobot's own ``from_pretrained`` applies).
+``LEROBOT_TYPE`` and optionally ``fix_checkpoint`` (the key fixes lerobot's own ``from_pretrained`` applies) and
+``export_options(config, state_dict, dst)`` (files an export needs besides lerobot's, written into ``dst``, and the
+``to_lerobot`` options naming them: GR00T N1.7's base checkpoint).
 """
 
 from __future__ import annotations
@@ -41,15 +43,22 @@ def export_lerobot(policy_name: str, config: PolicyConfig, state_dict: dict[str,
                    processor: PolicyProcessor, dst: str | Path, **mapping_options: Any) -> Path:
     """Write ``dst``, a folder lerobot's ``<Policy>.from_pretrained(dst)`` and ``make_pre_post_processors(config,
     pretrained_path=dst)`` load, from a Loong policy's config, state dict (full, on the host) and processor.
-    ``mapping_options`` go to the mapping's ``to_lerobot``. Returns ``dst``."""
+    ``mapping_options`` go to the mapping's ``to_lerobot`` (over the mapping's ``export_options``). Returns ``dst``."""
     from huggingface_hub import save_torch_state_dict
 
     mapping = mapping_of(policy_name)
-    lerobot_config, lerobot_state = mapping.to_lerobot(config, state_dict, processor, **mapping_options)
     dst = Path(dst)
+    # the conversion first (it refuses what lerobot cannot hold), with the mapping's options checked unwritten
+    extra = getattr(mapping, "export_options", None)
+    mapping.to_lerobot(config, {k: v.to("meta") for k, v in state_dict.items()}, processor,
+                       **{**(extra(config, state_dict, None) if extra else {}), **mapping_options})
     dst.mkdir(parents=True, exist_ok=True)
+    options = {**(extra(config, state_dict, dst) if extra else {}), **mapping_options}
+    lerobot_config, lerobot_state = mapping.to_lerobot(config, state_dict, processor, **options)
     lerobot_config._save_pretrained(dst)
-    tensors = {k: v.detach().cpu().contiguous() for k, v in lerobot_state.items()}
+    # tied weights as lerobot's save_pretrained writes them: the copy its from_pretrained re-ties stays out
+    tied = set(getattr(mapping, "TIED_IN_FILE", ()))
+    tensors = {k: v.detach().cpu().contiguous() for k, v in lerobot_state.items() if k not in tied}
     total = sum(t.numel() * t.element_size() for t in tensors.values())
     # as lerobot's PreTrainedPolicy._save_pretrained writes a gathered state dict: one model.safetensors
     save_torch_state_dict(tensors, str(dst), max_shard_size=max(total, 1))
@@ -109,6 +118,7 @@ def import_lerobot(src: str | Path, **overrides: Any
     the Loong policy its type maps to, its config and weights in Loong's names (as lerobot's ``from_pretrained``
     would load them), and its normaliser statistics (None when it has no preprocessor). ``overrides`` go to the
     mapping's ``from_lerobot`` (config fields, e.g. ``tokenizer``)."""
+    import lerobot.policies  # noqa: F401  (registers every lerobot policy config type, e.g. "groot", with draccus)
     from lerobot.configs import PreTrainedConfig
     from safetensors.torch import load_file
 

@@ -111,12 +111,15 @@ class EmbodiedDataConfig:
     decoding frames and running the policy's processor (0: in the training process). ``video_backend``: ``pyav``
     (its wheel bundles FFmpeg) or ``torchcodec`` (needs the system's FFmpeg). ``on_error``: a sample that cannot be
     read stops the run (``fail``) or is counted and replaced by the next readable frame of its dataset (``skip``;
-    episodes missing files are left out).
+    episodes missing files are left out). ``embodiment_ids``: per dataset of ``repo_root``, the id that picks the
+    GR00T policies' per-embodiment encoders and decoder (null: a single dataset uses the policy's configured
+    embodiment, a mix the datasets' positions 0, 1, ...; each below the policy's ``num_embodiments``).
     """
 
     repo_root: Annotated[str, Check(nonempty=True)] | Annotated[list[NonEmptyStr], Check(nonempty=True)] | None = None
     weights: Annotated[list[PositiveFloat], Check(nonempty=True)] | None = None
     cameras: Annotated[list[NonEmptyStr], Check(nonempty=True)] | None = None
+    embodiment_ids: Annotated[list[NonNegativeInt], Check(nonempty=True)] | None = None
     num_workers: Annotated[int, Check(ge=0, note="0: in the training process"), KEEPS_RUN] = 0
     video_backend: Literal["pyav", "torchcodec"] = "pyav"
     on_error: Annotated[Literal["fail", "skip"], KEEPS_RUN] = "fail"
@@ -137,6 +140,11 @@ class EmbodiedDataConfig:
             if len(self.weights) != n:
                 raise LoongError(f"{path}.weights={self.weights}: one weight per dataset of {path}.repo_root "
                                  f"({n} dataset{'s' if n > 1 else ''})")
+        if self.embodiment_ids is not None:
+            n = len(roots) if roots is not None else 1
+            if len(self.embodiment_ids) != n:
+                raise LoongError(f"{path}.embodiment_ids={self.embodiment_ids}: one id per dataset of "
+                                 f"{path}.repo_root ({n} dataset{'s' if n > 1 else ''})")
 
 
 @dataclass

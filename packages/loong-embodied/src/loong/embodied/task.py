@@ -71,30 +71,71 @@ def check_lerobot_export(spec: PolicySpec, config: PolicyConfig) -> None:
     mapping = importlib.import_module(spec.lerobot)
     with torch.device("meta"):
         state = spec.policy_class(config).state_dict()
+        extra = getattr(mapping, "export_options", None)
         try:
-            mapping.to_lerobot(config, state)
+            mapping.to_lerobot(config, state, **(extra(config, state, None) if extra else {}))
         except LoongError as exc:
             raise LoongError(f"train.save_lerobot=true: {exc}") from None
+
+
+def is_lerobot_folder(path: Path) -> bool:
+    """Whether ``path`` is a lerobot policy folder (``config.json`` + ``model.safetensors``)."""
+    return (path / "config.json").is_file() and (path / "model.safetensors").is_file()
+
+
+def _lerobot_initial_state(path: Path, spec: PolicySpec, config: PolicyConfig,
+                           expected: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The weights of the lerobot policy folder ``path`` in Loong's names, refused unless they are a
+    ``spec.name`` policy's with exactly the names and shapes of ``expected`` (the model's state dict)."""
+    from loong.embodied.lerobot_io import import_lerobot
+
+    where = f"model.init_from={path}"
+    try:
+        name, theirs, state, _stats = import_lerobot(path)
+    except LoongError as exc:
+        raise LoongError(f"{where}: {exc}") from None
+    if name != spec.name:
+        raise LoongError(f"{where}: a lerobot {name} policy, not model.policy={spec.name}")
+    ours_fields, their_fields = to_dict(config), to_dict(theirs)
+    # sizes must agree; data-side fields (chunking, inference steps, tokenizer) are this run's to choose
+    differ = sorted(k for k in ours_fields if ours_fields[k] != their_fields.get(k))
+    missing = sorted(set(expected) - set(state))
+    unexpected = sorted(set(state) - set(expected))
+    shapes = sorted(k for k in set(state) & set(expected) if tuple(state[k].shape) != tuple(expected[k].shape))
+    if missing or unexpected or shapes:
+        raise LoongError(f"{where}: its weights do not fit model.policy={spec.name} with this model.preset and "
+                         f"model.config (fields that differ: {', '.join(differ) or 'none'}; missing {missing[:3]}, "
+                         f"unexpected {unexpected[:3]}, other shapes {shapes[:3]})")
+    return state
+
+
+def check_initial_weights(path: Path, spec: PolicySpec, config: PolicyConfig) -> None:
+    """``model.init_from``, before anything is written: a lerobot folder must hold a ``spec.name`` policy of the
+    model's names and shapes (checked against the model on the meta device), a Loong checkpoint a ``spec.name``
+    policy (its shapes are checked at load)."""
+    if not path.exists():
+        raise LoongError(f"model.init_from={path}: no such file or folder")
+    if is_lerobot_folder(path):
+        with torch.device("meta"):
+            expected = spec.policy_class(config).state_dict()
+        _lerobot_initial_state(path, spec, config, expected)
+        return
+    from loong.core.checkpoint import read_config, resolve_checkpoint
+
+    step_dir = resolve_checkpoint(path)
+    saved = read_config(step_dir).get("model", {})
+    if saved.get("policy") != spec.name:
+        raise LoongError(f"model.init_from={path}: {step_dir} holds a {saved.get('policy')!r} policy, not "
+                         f"model.policy={spec.name}")
 
 
 def load_initial_weights(model: nn.Module, path: Path, spec: PolicySpec, config: PolicyConfig) -> None:
     """``model.init_from``: the weights of a Loong checkpoint (run, ``checkpoints`` or step folder) or of a lerobot
     policy folder (``config.json`` + ``model.safetensors``) into ``model``, whose policy and config they must
     match."""
-    if (path / "config.json").is_file() and (path / "model.safetensors").is_file():
-        from loong.embodied.lerobot_io import import_lerobot
-
-        name, theirs, state, _stats = import_lerobot(path)
-        if name != spec.name:
-            raise LoongError(f"model.init_from={path}: a lerobot {name} policy, not model.policy={spec.name}")
-        ours_fields, their_fields = to_dict(config), to_dict(theirs)
-        # sizes must agree; data-side fields (chunking, inference steps, tokenizer) are this run's to choose
-        differ = sorted(k for k in ours_fields if ours_fields[k] != their_fields.get(k))
-        missing, unexpected = model.load_state_dict(state, strict=False)
-        if missing or unexpected:
-            raise LoongError(f"model.init_from={path}: its weights do not fit model.policy={spec.name} with this "
-                             f"preset and model.config (fields that differ: {', '.join(differ) or 'none'}; "
-                             f"missing {sorted(missing)[:3]}, unexpected {sorted(unexpected)[:3]})")
+    if is_lerobot_folder(path):
+        state = _lerobot_initial_state(path, spec, config, model.state_dict())
+        model.load_state_dict(state, strict=True)
         return
     import torch.distributed.checkpoint as dcp
 
@@ -129,42 +170,68 @@ class VLATask(FSDPTask):
             where = "data.repo_root" if isinstance(cfg.data.repo_root, str) else f"data.repo_root[{i}]"
             if not Path(root).is_dir():
                 raise LoongError(f"{where}={root}: no such folder (a local LeRobotDataset v3 folder is expected)")
+        from loong.embodied.data.mix import check_embodiment_ids
+
+        check_embodiment_ids(cfg.data.embodiment_ids, cfg.model.policy_config())
         if cfg.train.save_lerobot:
             check_lerobot_export(spec, cfg.model.policy_config())
+        if cfg.model.init_from is not None and getattr(cfg.model.policy_config(), "base_model_path", None):
+            raise LoongError("model.init_from and model.config.base_model_path: give one (init_from: every weight "
+                             "of a checkpoint; base_model_path: the backbone of a Hugging Face VLM folder)")
+        check_base_model = getattr(spec.policy_class, "check_base_model", None)
+        if check_base_model is not None:
+            check_base_model(cfg.model.policy_config())
+        if cfg.model.init_from is not None:
+            check_initial_weights(Path(cfg.model.init_from).expanduser(), spec, cfg.model.policy_config())
         if cfg.parallel.cp_ulysses * cfg.parallel.cp_ring > 1:
             raise LoongError("parallel.cp_ulysses / parallel.cp_ring: a VLA policy's sequences are short; train it "
                              "data-parallel (parallel.fsdp=full|hybrid|none) without context parallelism")
 
     # --- data --------------------------------------------------------------------------------
     def setup_data(self) -> None:
-        from loong.embodied.data.mix import build_mixture
+        from loong.embodied.data.mix import build_mixture, check_mix
 
         c, d = self.cfg, self.cfg.data
         self.spec = c.model.spec()
         self.policy_config = c.model.policy_config()
         self.gbs, self.mbs = c.train.global_batch_size, c.train.micro_batch_size
         roots = self._roots()
-        if len(roots) > 1:
-            # a mix normalises each source with its own statistics (build_mixture's norm_map), but the processors
-            # take one dataset's; until they accept the mixture's, a run reads one dataset (docs/embodied.md)
-            raise LoongError(f"data.repo_root: {len(roots)} datasets; training on a mix is not wired to the policies' "
-                             "processors yet: train on one dataset")
-        # values stay raw in the mixture: the policy's processor normalises them with the dataset's statistics
+        # one dataset: the policy's configured embodiment (GR00T's embodiment_tag / embodiment), so that training
+        # and inference pick the same rows; a mix: the datasets' positions unless data.embodiment_ids names them
+        ids = d.embodiment_ids
+        if ids is None and len(roots) == 1:
+            ids = [int(getattr(self.policy_config, "embodiment_id", 0))]
+        # values stay raw in the mixture: the processor normalises each sample with its source's statistics
+        # (the sample's dataset_index picks them)
         self.mixture = build_mixture([str(r) for r in roots], d.weights, chunk_size=self.policy_config.chunk_size,
-                                     cameras=d.cameras, norm_map=None, on_error=d.on_error,
+                                     cameras=d.cameras, embodiment_ids=ids, norm_map=None, on_error=d.on_error,
                                      video_backend=d.video_backend)
+        check_mix(self.mixture.sources)
         self.dataset = self.mixture.sources[0]
-        self.processor = self.spec.processor_class.from_dataset(self.policy_config, self.dataset)
+        self.processor = self._processor(self.mixture, None if len(roots) == 1 and d.embodiment_ids is None
+                                         else self.mixture.embodiment_ids)
         self.device = self.accelerator.device(self.layout.local_rank)
         self._train_loader: Any = None
         self._train_iter: Iterator[dict] | None = None
         self._train_next: tuple[int, int] | None = None
         self._data_wait_s = 0.0
         if self.layout.is_logging_rank:
-            ds = self.dataset
-            print(f"embodied data: {ds.root}: {ds.num_episodes} episodes, {len(ds)} frames, cameras "
-                  f"{', '.join(ds.camera_keys)}, state {ds.state_dim}, action {ds.action_dim}, {len(ds.tasks)} "
-                  "task(s)", file=sys.stderr)
+            shares = self.mixture.stream(0).weights.tolist()
+            for ds, emb, share in zip(self.mixture.sources, self.mixture.embodiment_ids, shares, strict=True):
+                print(f"embodied data: {ds.root}: {ds.num_episodes} episodes, {len(ds)} frames, cameras "
+                      f"{', '.join(ds.camera_keys)}, state {ds.state_dim}, action {ds.action_dim}, {len(ds.tasks)} "
+                      f"task(s), embodiment {emb}, share {share:.3f}", file=sys.stderr)
+
+    def _processor(self, mixture: Any, embodiment_ids: list[int] | None) -> PolicyProcessor:
+        """The policy's processor of the mixture's datasets (``from_datasets``: per-source statistics); a processor
+        class with only ``from_dataset`` takes one dataset."""
+        cls = self.spec.processor_class
+        if hasattr(cls, "from_datasets"):
+            return cls.from_datasets(self.policy_config, mixture.sources, embodiment_ids)
+        if len(mixture.sources) > 1:
+            raise LoongError(f"data.repo_root: {len(mixture.sources)} datasets; model.policy={self.spec.name}'s "
+                             "processor takes one dataset's statistics (it has no from_datasets)")
+        return cls.from_dataset(self.policy_config, mixture.sources[0])
 
     def _roots(self) -> list[Path]:
         """The datasets' folders; the synthetic reach dataset is written on first use (by the first rank, the
@@ -233,6 +300,10 @@ class VLATask(FSDPTask):
     def init_weights(self, model: nn.Module) -> None:
         path = self.cfg.model.init_from
         if path is None:
+            # a policy that starts from a pretrained backbone (GR00T N1.7's model.config.base_model_path)
+            load_base_model = getattr(model, "load_base_model", None)
+            if load_base_model is not None:
+                load_base_model()
             return
         load_initial_weights(model, Path(path), self.spec, self.policy_config)
 
@@ -277,5 +348,6 @@ class VLATask(FSDPTask):
         return self.gbs
 
 
-__all__ = ["EVAL_OFFSET", "POLICY_DIR", "POLICY_JSON", "SEED_KEY", "VLATask", "check_lerobot_export", "draw_seed", "load_initial_weights",
+__all__ = ["EVAL_OFFSET", "POLICY_DIR", "POLICY_JSON", "SEED_KEY", "VLATask", "check_initial_weights",
+           "check_lerobot_export", "is_lerobot_folder", "draw_seed", "load_initial_weights",
            "write_policy_dir"]

@@ -307,4 +307,37 @@ def build_mixture(roots: str | Path | Sequence[str | Path], weights: Sequence[fl
                       build_skipped=build_skipped)
 
 
-__all__ = ["MASK_PREFIX", "SkippedSample", "VLAMixture", "build_mixture", "mask_key"]
+def check_mix(sources: Sequence[VLADataset]) -> None:
+    """What a policy's processor needs of a mix: every dataset with the same cameras (the processors read a fixed
+    camera list; give ``data.cameras`` to train on the ones they share) and the same fps (an action chunk then
+    spans the same time in every dataset). Each disagreement names both datasets."""
+    first = sources[0]
+    for ds in sources[1:]:
+        if sorted(ds.camera_keys) != sorted(first.camera_keys):
+            shared = sorted(set(ds.camera_keys) & set(first.camera_keys))
+            hint = (f"give data.cameras={shared} to train on the shared ones" if shared
+                    else "they share no camera")
+            raise LoongError(f"data.repo_root: the mixed datasets have different cameras: {first.root} has "
+                             f"{', '.join(first.camera_keys)}; {ds.root} has {', '.join(ds.camera_keys)}; {hint}")
+        if ds.fps != first.fps:
+            raise LoongError(f"data.repo_root: the mixed datasets have different fps: {first.root} {first.fps}, "
+                             f"{ds.root} {ds.fps} (an action chunk would span different times); resample one")
+
+
+def check_embodiment_ids(ids: Sequence[int] | None, policy_config: Any) -> None:
+    """``data.embodiment_ids`` against the policy: each below its ``num_embodiments`` (GR00T's per-embodiment
+    rows); a policy without per-embodiment heads (Pi0.5) takes none."""
+    if ids is None:
+        return
+    rows = getattr(policy_config, "num_embodiments", None)
+    if rows is None:
+        raise LoongError(f"data.embodiment_ids={list(ids)}: this policy has no per-embodiment heads (it has one "
+                         "action space); leave data.embodiment_ids out")
+    for i, value in enumerate(ids):
+        if not 0 <= int(value) < rows:
+            raise LoongError(f"data.embodiment_ids[{i}]={value}: must be below model.config.num_embodiments "
+                             f"({rows})")
+
+
+__all__ = ["MASK_PREFIX", "SkippedSample", "VLAMixture", "build_mixture", "check_embodiment_ids", "check_mix",
+           "mask_key"]

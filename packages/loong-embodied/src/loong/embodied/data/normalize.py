@@ -11,7 +11,7 @@ missing; here that is an error naming the stats file, the key and the statistics
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -118,4 +118,90 @@ class Normalizer:
         return self.unnormalize({self.action_key: action})[self.action_key]
 
 
-__all__ = ["NEEDED_STATS", "Normalizer"]
+#: the batch key of each sample's source dataset (its position in ``data.repo_root``; set by the mixture)
+SOURCE_KEY = "dataset_index"
+#: the saved processor's record of a mix's sources (absent for one dataset)
+SOURCES_FILE = "sources.json"
+
+
+def source_index(batch: Mapping[str, Any], b: int, num_sources: int, who: str) -> torch.Tensor:
+    """``[b]`` int64: each sample's source (``batch["dataset_index"]``; absent: all source 0). A processor built
+    for ``num_sources`` sources refuses an index outside ``0..num_sources - 1``."""
+    value = batch.get(SOURCE_KEY)
+    if value is None:
+        return torch.zeros(b, dtype=torch.long)
+    index = torch.as_tensor(value).long().reshape(-1)
+    if index.numel() == 1 and b > 1:
+        index = index.expand(b)
+    if index.numel() != b:
+        raise LoongError(f"{who}: '{SOURCE_KEY}' has {index.numel()} entries for a batch of {b}")
+    bad = index[(index < 0) | (index >= num_sources)]
+    if bad.numel():
+        raise LoongError(f"{who}: '{SOURCE_KEY}' {int(bad[0])} is not one of the processor's {num_sources} "
+                         "source dataset(s)")
+    return index
+
+
+def normalize_by_source(normalizers: list[Normalizer], batch: Mapping[str, torch.Tensor],
+                        index: torch.Tensor) -> dict[str, torch.Tensor]:
+    """``batch`` (tensors with the batch first) with row ``i`` normalised by ``normalizers[index[i]]``."""
+    if len(normalizers) == 1:
+        return normalizers[0].normalize(batch)
+    out = {key: value.clone() for key, value in batch.items()}
+    for source in index.unique().tolist():
+        rows = index == source
+        normed = normalizers[source].normalize({key: value[rows] for key, value in batch.items()})
+        for key in batch:
+            out[key][rows] = normed[key].to(out[key].dtype)
+    return out
+
+
+def min_max_stats(stats: Mapping[str, Mapping[str, Any]] | None, keys: Sequence[str], source: str,
+                  dims: Sequence[int]) -> dict[str, dict[str, torch.Tensor]]:
+    """``{key: {"min", "max"}}`` flat fp32 tensors of ``keys`` from ``stats``, each of ``dims`` entries."""
+    out: dict[str, dict[str, torch.Tensor]] = {}
+    for key, dim in zip(keys, dims, strict=True):
+        have = stats.get(key) if stats is not None else None
+        if have is None or "min" not in have or "max" not in have:
+            raise LoongError(f"{source}: '{key}' needs min and max statistics (GR00T min-max normalisation); "
+                             f"it has: {', '.join(have or []) or 'nothing'}")
+        out[key] = {n: torch.as_tensor(have[n], dtype=torch.float32).flatten() for n in ("min", "max")}
+        if out[key]["min"].numel() != dim:
+            raise LoongError(f"{source}: '{key}' has {out[key]['min'].numel()} dims; the first dataset's has {dim}")
+    return out
+
+
+def check_same_dims(datasets: Sequence[VLADataset], policy: str) -> None:
+    """A mix whose datasets disagree on state or action dims stops naming both (one processor width)."""
+    first = datasets[0]
+    for ds in datasets[1:]:
+        if (ds.state_dim, ds.action_dim) != (first.state_dim, first.action_dim):
+            raise LoongError(f"data.repo_root: {policy} mixes datasets of one state/action width; {first.root} has "
+                             f"state {first.state_dim} / action {first.action_dim} dims, {ds.root} has state "
+                             f"{ds.state_dim} / action {ds.action_dim}")
+
+
+def write_sources(directory: Path, sources: list[dict[str, Any]]) -> None:
+    """``sources.json``: a mix's sources in order (``root``, ``name``, ``embodiment_id``)."""
+    import json
+
+    (Path(directory) / SOURCES_FILE).write_text(json.dumps({"sources": sources}, indent=2), encoding="utf-8")
+
+
+def read_sources(directory: Path) -> list[dict[str, Any]] | None:
+    """What :func:`write_sources` wrote, or None (a processor of one dataset)."""
+    import json
+
+    path = Path(directory) / SOURCES_FILE
+    if not path.is_file():
+        return None
+    return list(json.loads(path.read_text(encoding="utf-8"))["sources"])
+
+
+def source_record(dataset: VLADataset, embodiment_id: int | None) -> dict[str, Any]:
+    """One source's entry of ``sources.json``."""
+    return {"root": str(dataset.root), "name": Path(dataset.root).name, "embodiment_id": embodiment_id}
+
+
+__all__ = ["NEEDED_STATS", "SOURCES_FILE", "SOURCE_KEY", "Normalizer", "check_same_dims", "min_max_stats", "normalize_by_source", "read_sources",
+           "source_index", "source_record", "write_sources"]

@@ -88,8 +88,11 @@ def _progress(enabled: bool) -> Any:
 
 def write_reach_dataset(root: str | Path, *, num_episodes: int, seed: int = 0, image_size: int = 64,
                         use_videos: bool = True, noise: float = 0.3, max_steps: int = 50,
-                        progress: bool = True) -> Path:
-    """Record ``num_episodes`` expert episodes into a new LeRobotDataset v3 at ``root`` (which must not exist)."""
+                        progress: bool = True, action_scale: float = 1.0) -> Path:
+    """Record ``num_episodes`` expert episodes into a new LeRobotDataset v3 at ``root`` (which must not exist).
+
+    ``action_scale``: the recorded actions are the expert's times this (a dataset of other action statistics,
+    e.g. the second source of a mix in the tests; the environment itself is unchanged)."""
     if not isinstance(num_episodes, int) or num_episodes < 1:
         raise LoongError(f"num_episodes: must be an int >= 1, got {num_episodes!r}")
     root = Path(root)
@@ -97,7 +100,8 @@ def write_reach_dataset(root: str | Path, *, num_episodes: int, seed: int = 0, i
         raise LoongError(f"{root}: already exists; a LeRobotDataset is written into a new folder")
     with _quiet_writers():
         return _write(root, num_episodes=num_episodes, seed=seed, image_size=image_size,
-                      use_videos=use_videos, noise=noise, max_steps=max_steps, progress=progress)
+                      use_videos=use_videos, noise=noise, max_steps=max_steps, progress=progress,
+                      action_scale=action_scale)
 
 
 @contextlib.contextmanager
@@ -123,7 +127,7 @@ def _quiet_writers() -> Iterator[None]:
 
 
 def _write(root: Path, *, num_episodes: int, seed: int, image_size: int, use_videos: bool, noise: float,
-           max_steps: int, progress: bool) -> Path:
+           max_steps: int, progress: bool, action_scale: float = 1.0) -> Path:
     from lerobot.datasets.lerobot_dataset import LeRobotDataset
 
     dataset = LeRobotDataset.create(repo_id=REPO_ID, fps=FPS, features=reach_features(image_size, use_videos),
@@ -137,7 +141,7 @@ def _write(root: Path, *, num_episodes: int, seed: int, image_size: int, use_vid
                 dataset.add_frame({
                     **{f"observation.images.{camera}": episode.images[camera][t] for camera in CAMERAS},
                     "observation.state": episode.states[t],
-                    "action": episode.actions[t],
+                    "action": (episode.actions[t] * action_scale).astype(episode.actions[t].dtype),
                     "task": episode.task,
                 })
             # two 64² cameras encode faster in this process than in a pool of processes started per episode

@@ -35,6 +35,14 @@ import torch
 import torch.nn.functional as F
 
 from loong.core.errors import LoongError
+from loong.embodied.data.normalize import (
+    check_same_dims,
+    min_max_stats,
+    read_sources,
+    source_index,
+    source_record,
+    write_sources,
+)
 from loong.embodied.policies.base import PolicyConfig, PolicyProcessor
 from loong.embodied.policies.groot_n1_6.config import TINY_TOKENIZER, GrootN16Config
 from loong.embodied.policies.word_tokenizer import reach_vocabulary, word_level_backend
@@ -118,7 +126,9 @@ class GrootN16Processor(PolicyProcessor):
     def __init__(self, config: GrootN16Config, *, features: Mapping[str, Mapping[str, Any]],
                  stats: Mapping[str, Mapping[str, Any]] | None, camera_keys: Sequence[str],
                  state_key: str = "observation.state", action_key: str = "action",
-                 tokenizer: PreTrainedTokenizerBase | None = None, source: str = "stats") -> None:
+                 tokenizer: PreTrainedTokenizerBase | None = None, source: str = "stats",
+                 source_stats: Sequence[Mapping[str, Mapping[str, Any]]] = (),
+                 sources: Sequence[Mapping[str, Any]] | None = None) -> None:
         self.config = config
         self.camera_keys = list(camera_keys)
         if not self.camera_keys:
@@ -146,6 +156,11 @@ class GrootN16Processor(PolicyProcessor):
                 raise LoongError(f"{source}: '{key}' min/max have {low.numel()}/{high.numel()} values; the feature "
                                  f"has {dim} dims")
             self.stats[key] = {"min": low, "max": high}
+        # a mix: per source (0 = ``stats``) its min/max, picked per sample by the batch's ``dataset_index``
+        self.sources = None if sources is None else [dict(r) for r in sources]
+        self.source_stats = [self.stats] + [min_max_stats(st, (state_key, action_key), f"source {i + 1}",
+                                                          (self.state_dim, self.action_dim))
+                                            for i, st in enumerate(source_stats)]
         self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(config.tokenizer)
         image_id = self.tokenizer.convert_tokens_to_ids(IMAGE_TOKEN)
         if image_id != config.image_token_id:
@@ -160,6 +175,27 @@ class GrootN16Processor(PolicyProcessor):
         return cls(config, features={k: dataset.meta.features[k] for k in keys}, stats=dataset.stats,
                    camera_keys=dataset.camera_keys, state_key=dataset.state_key, action_key=dataset.action_key,
                    source=str(Path(dataset.root) / "meta" / "stats.json"))
+
+    @classmethod
+    def from_datasets(cls, config: PolicyConfig, datasets: Sequence[VLADataset],
+                      embodiment_ids: Sequence[int] | None = None) -> GrootN16Processor:
+        """The processor of a mix: each sample min-max normalised with its source's statistics (the batch's
+        ``dataset_index``) and, where the batch carries no ``embodiment_id``, its source's embodiment id."""
+        first = cls.from_dataset(config, datasets[0])
+        if len(datasets) == 1 and embodiment_ids is None:
+            return first
+        check_same_dims(datasets, "groot_n1_6")
+        ids = list(embodiment_ids) if embodiment_ids is not None else list(range(len(datasets)))
+        return cls(config, features=first.features, stats=datasets[0].stats, camera_keys=first.camera_keys,
+                   state_key=first.state_key, action_key=first.action_key, tokenizer=first.tokenizer,
+                   source_stats=[ds.stats for ds in datasets[1:]],
+                   sources=[source_record(ds, i) for ds, i in zip(datasets, ids, strict=True)])
+
+    def bounds(self, key: str, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``[b, dim]`` min and max of ``key`` for each sample's source ``index``."""
+        lo = torch.stack([st[key]["min"] for st in self.source_stats])
+        hi = torch.stack([st[key]["max"] for st in self.source_stats])
+        return lo[index], hi[index]
 
     # raw batch -> model inputs --------------------------------------------------------------------------------
     def prompts(self, tasks: Sequence[str]) -> list[str]:
@@ -212,12 +248,16 @@ class GrootN16Processor(PolicyProcessor):
             raise LoongError(f"groot_n1_6.tokenizer_max_length: {c.tokenizer_max_length} is shorter than a prompt of "
                              f"{encoded['input_ids'].shape[1]} tokens ({len(self.camera_keys)} cameras x "
                              f"{c.tokens_per_image} image tokens + text); raise it")
-        st = self.stats[self.state_key]
+        index = source_index(batch, b, len(self.source_stats), "groot_n1_6 processor")
+        lo, hi = self.bounds(self.state_key, index)
         out = {"input_ids": encoded["input_ids"].long(), "attention_mask": encoded["attention_mask"].long(),
                "pixel_values": self.images(batch),
-               "state": F.pad(min_max_normalize(state, st["min"], st["max"]), (0, c.max_state_dim - self.state_dim))}
+               "state": F.pad(min_max_normalize(state, lo, hi), (0, c.max_state_dim - self.state_dim))}
         if "embodiment_id" in batch:
             out["embodiment_id"] = torch.as_tensor(batch["embodiment_id"]).long().reshape(b)
+        elif self.sources is not None:  # a mix's policy at inference: the source's embodiment
+            out["embodiment_id"] = torch.tensor([self.sources[i]["embodiment_id"] for i in index.tolist()],
+                                                dtype=torch.long)
         else:
             out["embodiment_id"] = torch.full((b,), c.embodiment_id, dtype=torch.long)
         if train:
@@ -227,8 +267,8 @@ class GrootN16Processor(PolicyProcessor):
             if action.dim() != 3 or action.shape[-1] != self.action_dim or action.shape[1] != c.chunk_size:
                 raise LoongError(f"groot_n1_6 processor: '{self.action_key}' has shape {list(action.shape)}; expected "
                                  f"[b, chunk_size={c.chunk_size}, {self.action_dim}]")
-            at = self.stats[self.action_key]
-            out["action"] = F.pad(min_max_normalize(action, at["min"], at["max"]),
+            lo, hi = self.bounds(self.action_key, index)
+            out["action"] = F.pad(min_max_normalize(action, lo.unsqueeze(1), hi.unsqueeze(1)),
                                   (0, c.max_action_dim - self.action_dim))
             pad_key = f"{self.action_key}_is_pad"
             valid_step = (~torch.as_tensor(batch[pad_key]).bool() if pad_key in batch
@@ -238,9 +278,13 @@ class GrootN16Processor(PolicyProcessor):
             out["action_mask"] = mask
         return out
 
-    def postprocess(self, actions: torch.Tensor) -> torch.Tensor:
-        """Robot actions ``[..., action_dim]``: the real dims, unnormalised."""
-        at = self.stats[self.action_key]
+    def postprocess(self, actions: torch.Tensor, source: int = 0) -> torch.Tensor:
+        """Robot actions ``[..., action_dim]``: the real dims, unnormalised with source ``source``'s statistics
+        (a mix's dataset index; 0 for one dataset)."""
+        if not 0 <= source < len(self.source_stats):
+            raise LoongError(f"groot_n1_6 processor: source {source} is not one of its {len(self.source_stats)} "
+                             "datasets")
+        at = self.source_stats[source][self.action_key]
         return min_max_unnormalize(actions[..., : self.action_dim].float().cpu(), at["min"], at["max"])
 
     # persistence ----------------------------------------------------------------------------------------------
@@ -251,6 +295,10 @@ class GrootN16Processor(PolicyProcessor):
         meta = {"camera_keys": self.camera_keys, "state_key": self.state_key, "action_key": self.action_key,
                 "features": self.features,
                 "stats": {k: {n: v.tolist() for n, v in s.items()} for k, s in self.stats.items()}}
+        if self.sources is not None:  # a mix: sources 1.. after source 0's ``stats``, and which is which
+            meta["source_stats"] = [{k: {n: v.tolist() for n, v in s.items()} for k, s in st.items()}
+                                    for st in self.source_stats[1:]]
+            write_sources(directory, self.sources)
         (directory / PROCESSOR_FILE).write_text(json.dumps(meta, indent=2, default=list), encoding="utf-8")
         self.tokenizer.save_pretrained(str(directory / TOKENIZER_DIR))
 
@@ -266,7 +314,7 @@ class GrootN16Processor(PolicyProcessor):
         tokenizer = load_tokenizer(str(directory / TOKENIZER_DIR))
         return cls(config, features=meta["features"], stats=meta["stats"], camera_keys=meta["camera_keys"],
                    state_key=meta["state_key"], action_key=meta["action_key"], tokenizer=tokenizer,
-                   source=str(meta_path))
+                   source=str(meta_path), source_stats=meta.get("source_stats", []), sources=read_sources(directory))
 
 
 __all__ = ["GrootN16Processor", "eagle_prompt", "formalize", "load_tokenizer", "min_max_normalize",

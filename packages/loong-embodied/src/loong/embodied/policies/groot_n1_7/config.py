@@ -66,6 +66,9 @@ class GrootN17Config(PolicyConfig):
     tune_llm: bool = False
     tune_visual: bool = False
     tune_top_llm_layers: int = 0
+    #: a Hugging Face Qwen3-VL folder (e.g. ``loong-vlm convert`` of a qwen3_vl run) whose config.json gives the
+    #: backbone's shape (``backbone`` is replaced; ``select_layer`` is kept) and whose weights start a fresh run
+    base_model_path: str | None = None
 
     # action head
     hidden_size: int = 1024
@@ -104,6 +107,10 @@ class GrootN17Config(PolicyConfig):
     clip_outliers: bool = True
 
     def __post_init__(self) -> None:
+        if self.base_model_path is not None:
+            from loong.embodied.policies.groot_n1_7.backbone_init import read_backbone_config
+
+            self.backbone = read_backbone_config(self.base_model_path, self.backbone_dict())
         if self.n_action_steps > self.chunk_size:
             raise LoongError(f"groot_n1_7: n_action_steps ({self.n_action_steps}) must be <= chunk_size "
                              f"({self.chunk_size})")

@@ -13,7 +13,10 @@ Config: lerobot's ``GrootConfig`` carries the policy-level knobs (chunk, max dim
 the network's shape lives in the raw GR00T base checkpoint it names (``base_model_path/config.json``, a
 ``GR00TN17Config``) and the backbone's in that config's ``model_name`` (Cosmos-Reason2-2B: lerobot's hard-coded
 copy). :func:`write_lerobot_base` writes such a base checkpoint for a Loong config, since lerobot's
-``GrootPolicy`` always builds itself from one.
+``GrootPolicy`` always builds itself from one; :func:`export_options` has ``export_lerobot`` write it inside the
+export (``<export>/groot_base/``, with the backbone's config in ``groot_base/backbone/``) for a non-published
+backbone, so that the folder loads offline. Those paths are written absolute (lerobot resolves them as given):
+a moved export needs ``base_model_path`` in its ``config.json`` (and ``model_name`` in the base's) edited.
 """
 
 from __future__ import annotations
@@ -28,8 +31,12 @@ import torch
 from loong.core.errors import LoongError
 from loong.embodied.policies.groot_n1_7.config import EMBODIMENT_IDS, GrootN17Config
 
+#: lerobot 0.6.1's policy type of its GR00T (N1.7) ``GrootPolicy``
+LEROBOT_TYPE = "groot"
 COSMOS_REASON2 = "nvidia/Cosmos-Reason2-2B"
 GROOT_N1_7_BASE = "nvidia/GR00T-N1.7-3B"
+#: the folder inside an export that holds the base checkpoint of a non-published backbone
+EXPORT_BASE_DIR = "groot_base"
 
 #: (Loong prefix, lerobot prefix), longest first
 PREFIXES: tuple[tuple[str, str], ...] = (
@@ -138,10 +145,7 @@ def from_lerobot(lerobot_config: Any, lerobot_state_dict: Mapping[str, torch.Ten
     """``(config, state_dict)`` of a lerobot ``GrootPolicy``: its ``GrootConfig``, its state dict, and the
     network's ``GR00TN17Config`` (``model_config``; default: read from ``base_model_path/config.json``)."""
     if model_config is None:
-        path = Path(str(lerobot_config.base_model_path)) / "config.json"
-        if not path.is_file():
-            raise LoongError(f"lerobot -> groot_n1_7: {path} not found; pass model_config (the GR00TN17Config "
-                             "of the policy, e.g. policy._groot_model.config)")
+        path = base_config_file(str(lerobot_config.base_model_path))
         model_config = json.loads(path.read_text())
     # the network's shape (horizon, max dims) is the base checkpoint's; GrootConfig adds the policy knobs
     policy = {ours: getattr(lerobot_config, theirs) for ours, theirs in POLICY_FIELDS.items()
@@ -160,6 +164,35 @@ def from_lerobot(lerobot_config: Any, lerobot_state_dict: Mapping[str, torch.Ten
         if ours is not None:
             state[ours] = value
     return config, state
+
+
+def base_config_file(base_model_path: str) -> Path:
+    """The ``config.json`` of the GR00T base checkpoint ``base_model_path``: a local folder, else the Hugging Face
+    cache's copy of that repository (never downloaded)."""
+    path = Path(base_model_path).expanduser() / "config.json"
+    if path.is_file():
+        return path
+    from huggingface_hub import try_to_load_from_cache
+
+    cached = try_to_load_from_cache(base_model_path, "config.json") if "/" in base_model_path else None
+    if isinstance(cached, str) and Path(cached).is_file():
+        return Path(cached)
+    raise LoongError(f"lerobot -> groot_n1_7: base_model_path={base_model_path!r}: neither a local folder with "
+                     "config.json nor in the Hugging Face cache (download it, or pass model_config: the "
+                     "GR00TN17Config of the policy, e.g. policy._groot_model.config)")
+
+
+def export_options(config: GrootN17Config, state_dict: Mapping[str, torch.Tensor],
+                   dst: Path | None) -> dict[str, Any]:
+    """The ``to_lerobot`` options of an export to ``dst``: for a non-published backbone, the base checkpoint
+    :func:`write_lerobot_base` writes into ``dst/groot_base`` (``dst=None``: only the options, nothing written,
+    for the pre-training check); the published shape keeps nvidia's base (no options)."""
+    if config.backbone is None:
+        return {}
+    if dst is None:
+        return {"base_model_path": EXPORT_BASE_DIR}
+    base = write_lerobot_base(config, state_dict, Path(dst) / EXPORT_BASE_DIR)
+    return {"base_model_path": str(base.resolve())}
 
 
 def to_lerobot(config: GrootN17Config, state_dict: Mapping[str, torch.Tensor], processor: Any = None, *,
@@ -196,6 +229,19 @@ def to_lerobot(config: GrootN17Config, state_dict: Mapping[str, torch.Tensor], p
     if EMBED_TOKENS in state_dict:
         out[LM_HEAD] = state_dict[EMBED_TOKENS].clone()
     return lerobot_config, out
+
+
+#: what lerobot's save_pretrained leaves out of model.safetensors (tied to LM_HEAD; its from_pretrained re-ties it)
+TIED_IN_FILE = ("_groot_model.backbone.model.model.language_model.embed_tokens.weight",)
+
+
+def fix_checkpoint(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A saved GrootPolicy file's keys as the policy holds them: the tied embedding back from the LM head."""
+    state = dict(state)
+    for key in TIED_IN_FILE:
+        if key not in state and LM_HEAD in state:
+            state[key] = state[LM_HEAD]
+    return state
 
 
 def lerobot_dataset_stats(processor: Any) -> dict[str, dict[str, torch.Tensor]]:
@@ -244,6 +290,6 @@ def write_lerobot_base(config: GrootN17Config, state_dict: Mapping[str, torch.Te
     return directory
 
 
-__all__ = ["PREFIXES", "from_lerobot", "from_lerobot_key", "from_lerobot_name", "lerobot_dataset_stats",
+__all__ = ["EXPORT_BASE_DIR", "LEROBOT_TYPE", "TIED_IN_FILE", "fix_checkpoint", "PREFIXES", "base_config_file", "export_options", "from_lerobot", "from_lerobot_key", "from_lerobot_name", "lerobot_dataset_stats",
            "lerobot_model_config", "lerobot_processors", "to_lerobot", "to_lerobot_key", "to_lerobot_name",
            "write_lerobot_base"]

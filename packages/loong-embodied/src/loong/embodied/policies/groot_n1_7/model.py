@@ -71,6 +71,28 @@ class GrootN17Policy(VLAPolicy):
         self.video_token_id = int(self.backbone.config.video_token_id)
         self.set_trainable()
 
+    # --- the pretrained backbone (model.config.base_model_path) ---
+    @classmethod
+    def check_base_model(cls, config: GrootN17Config) -> None:
+        """Refuse, before anything is written, a ``base_model_path`` folder whose tensors do not fit the backbone
+        (a backbone on the meta device against the safetensors headers; nothing is allocated or read)."""
+        if config.base_model_path is None:
+            return
+        from loong.embodied.policies.groot_n1_7.backbone_init import check_backbone_fits
+
+        with torch.device("meta"):
+            backbone = build_backbone(config)
+        shapes = {k: tuple(v.shape) for k, v in backbone.state_dict().items()}
+        check_backbone_fits(shapes, config.base_model_path, config.select_layer)
+
+    def load_base_model(self) -> None:
+        """The backbone's weights from ``config.base_model_path`` (a fresh run's start; no-op when unset)."""
+        if self.config.base_model_path is None:
+            return
+        from loong.embodied.policies.groot_n1_7.backbone_init import load_backbone
+
+        load_backbone(self.backbone, self.config.base_model_path, self.config.select_layer)
+
     # --- freezing (GR00T's flags; frozen parts get requires_grad=False and stay in eval mode) ---
     def frozen_modules(self) -> list[nn.Module]:
         """The submodules the config freezes (kept in eval mode while training, as GR00T does)."""

@@ -26,6 +26,14 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from loong.core.errors import LoongError
+from loong.embodied.data.normalize import (
+    check_same_dims,
+    min_max_stats,
+    read_sources,
+    source_index,
+    source_record,
+    write_sources,
+)
 from loong.embodied.policies.base import PolicyConfig, PolicyProcessor
 from loong.embodied.policies.groot_n1_7.config import GrootN17Config
 
@@ -113,7 +121,9 @@ class GrootN17Processor(PolicyProcessor):
 
     def __init__(self, config: GrootN17Config, *, stats: Mapping[str, Mapping[str, Any]],
                  camera_keys: Sequence[str], state_key: str = "observation.state", action_key: str = "action",
-                 vlm_processor: Any = None, source: str = "stats") -> None:
+                 vlm_processor: Any = None, source: str = "stats",
+                 source_stats: Sequence[Mapping[str, Mapping[str, Any]]] = (),
+                 sources: Sequence[Mapping[str, Any]] | None = None) -> None:
         self.config = config
         self.camera_keys = sorted(camera_keys)
         if not self.camera_keys:
@@ -128,6 +138,11 @@ class GrootN17Processor(PolicyProcessor):
             self.stats[key] = {n: torch.as_tensor(have[n], dtype=torch.float32).flatten() for n in ("min", "max")}
         self.state_dim = int(self.stats[state_key]["min"].numel())
         self.action_dim = int(self.stats[action_key]["min"].numel())
+        # a mix: per source (0 = ``stats``) its min/max, stacked [num_sources, dim] and picked per sample
+        self.sources = None if sources is None else [dict(r) for r in sources]
+        self.source_stats = [self.stats] + [min_max_stats(st, (state_key, action_key), f"source {i + 1}",
+                                                          (self.state_dim, self.action_dim))
+                                            for i, st in enumerate(source_stats)]
         if self.state_dim > config.max_state_dim or self.action_dim > config.max_action_dim:
             raise LoongError(f"groot_n1_7 processor: state dim {self.state_dim} / action dim {self.action_dim} "
                              f"exceed max_state_dim {config.max_state_dim} / max_action_dim {config.max_action_dim}")
@@ -151,6 +166,36 @@ class GrootN17Processor(PolicyProcessor):
         assert isinstance(config, GrootN17Config)
         return cls(config, stats=dataset.stats, camera_keys=dataset.camera_keys, state_key=dataset.state_key,
                    action_key=dataset.action_key, source=str(Path(dataset.root) / "meta" / "stats.json"))
+
+    @classmethod
+    def from_datasets(cls, config: PolicyConfig, datasets: Sequence[VLADataset],
+                      embodiment_ids: Sequence[int] | None = None) -> GrootN17Processor:
+        """The processor of a mix: each sample min-max normalised with its source's statistics (the batch's
+        ``dataset_index``) and, where the batch carries no ``embodiment_id``, its source's embodiment id."""
+        first = cls.from_dataset(datasets[0], config)
+        if len(datasets) == 1 and embodiment_ids is None:
+            return first
+        check_same_dims(datasets, "groot_n1_7")
+        ids = list(embodiment_ids) if embodiment_ids is not None else list(range(len(datasets)))
+        return cls(config, stats=datasets[0].stats, camera_keys=first.camera_keys, state_key=first.state_key,
+                   action_key=first.action_key, vlm_processor=first.vlm,
+                   source_stats=[ds.stats for ds in datasets[1:]],
+                   sources=[source_record(ds, i) for ds, i in zip(datasets, ids, strict=True)])
+
+    def bounds(self, key: str, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``[b, dim]`` min and max of ``key`` for each sample's source ``index``."""
+        lo = torch.stack([st[key]["min"] for st in self.source_stats])
+        hi = torch.stack([st[key]["max"] for st in self.source_stats])
+        return lo[index], hi[index]
+
+    def embodiment_ids(self, batch: Mapping[str, Any], index: torch.Tensor, b: int) -> torch.Tensor:
+        """``[b]``: the batch's ``embodiment_id``, else each source's (a mix), else the config's."""
+        emb = batch.get("embodiment_id")
+        if emb is not None:
+            return torch.as_tensor(emb, dtype=torch.long).reshape(b)
+        if self.sources is not None:
+            return torch.tensor([self.sources[i]["embodiment_id"] for i in index.tolist()], dtype=torch.long)
+        return torch.full((b,), self.config.embodiment_id, dtype=torch.long)
 
     # raw batch -> model inputs --------------------------------------------------------------------------------
     def tasks(self, batch: Mapping[str, Any], b: int) -> list[str]:
@@ -199,18 +244,17 @@ class GrootN17Processor(PolicyProcessor):
         encoded = self.vlm(text=texts, images=images, return_tensors="pt", padding=True)
         out: dict[str, torch.Tensor] = {k: v for k, v in encoded.items() if isinstance(v, torch.Tensor)}
 
-        s = self.stats[self.state_key]
-        state = min_max_normalize(state, s["min"], s["max"], clip=c.clip_outliers)
+        index = source_index(batch, b, len(self.source_stats), "groot_n1_7 processor")
+        lo, hi = self.bounds(self.state_key, index)
+        state = min_max_normalize(state, lo, hi, clip=c.clip_outliers)
         out["state"] = torch.nn.functional.pad(state, (0, c.max_state_dim - self.state_dim)).unsqueeze(1)
-
-        emb = batch.get("embodiment_id")
-        out["embodiment_id"] = (torch.full((b,), c.embodiment_id, dtype=torch.long) if emb is None
-                                else torch.as_tensor(emb, dtype=torch.long).reshape(b))
+        out["embodiment_id"] = self.embodiment_ids(batch, index, b)
         if train or self.action_key in batch:
-            out.update(self.actions(batch, b))
+            out.update(self.actions(batch, b, index))
         return out
 
-    def actions(self, batch: Mapping[str, Any], b: int) -> dict[str, torch.Tensor]:
+    def actions(self, batch: Mapping[str, Any], b: int,
+                index: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
         """``action`` ``[b, chunk, max_action_dim]`` (normalised, padded steps zeroed) and ``action_mask``."""
         c = self.config
         if self.action_key not in batch:
@@ -225,8 +269,10 @@ class GrootN17Processor(PolicyProcessor):
         if horizon > c.chunk_size:
             raise LoongError(f"groot_n1_7 processor: action chunk of {horizon} steps exceeds chunk_size "
                              f"{c.chunk_size}")
-        a = self.stats[self.action_key]
-        action = min_max_normalize(action, a["min"], a["max"], clip=c.clip_outliers)
+        if index is None:
+            index = source_index(batch, b, len(self.source_stats), "groot_n1_7 processor")
+        lo, hi = self.bounds(self.action_key, index)
+        action = min_max_normalize(action, lo.unsqueeze(1), hi.unsqueeze(1), clip=c.clip_outliers)
         action = torch.nn.functional.pad(action, (0, c.max_action_dim - self.action_dim, 0, c.chunk_size - horizon))
         valid = torch.zeros(b, c.chunk_size, dtype=torch.bool)
         valid[:, :horizon] = True
@@ -240,9 +286,13 @@ class GrootN17Processor(PolicyProcessor):
         mask[:, :, : self.action_dim] = valid.unsqueeze(-1).float()
         return {"action": action, "action_mask": mask}
 
-    def postprocess(self, actions: torch.Tensor) -> torch.Tensor:
-        """Robot actions ``[..., action_dim]``: the real dims, clipped to [-1, 1], min-max inverted."""
-        a = self.stats[self.action_key]
+    def postprocess(self, actions: torch.Tensor, source: int = 0) -> torch.Tensor:
+        """Robot actions ``[..., action_dim]``: the real dims, clipped to [-1, 1], min-max inverted with source
+        ``source``'s statistics (a mix's dataset index; 0 for one dataset)."""
+        if not 0 <= source < len(self.source_stats):
+            raise LoongError(f"groot_n1_7 processor: source {source} is not one of its {len(self.source_stats)} "
+                             "datasets")
+        a = self.source_stats[source][self.action_key]
         y = actions[..., : self.action_dim].float().cpu().clamp(-1.0, 1.0)
         return min_max_unnormalize(y, a["min"], a["max"])
 
@@ -253,6 +303,10 @@ class GrootN17Processor(PolicyProcessor):
         directory.mkdir(parents=True, exist_ok=True)
         meta = {"camera_keys": self.camera_keys, "state_key": self.state_key, "action_key": self.action_key,
                 "stats": {k: {n: v.tolist() for n, v in s.items()} for k, s in self.stats.items()}}
+        if self.sources is not None:  # a mix: sources 1.. after source 0's ``stats``, and which is which
+            meta["source_stats"] = [{k: {n: v.tolist() for n, v in s.items()} for k, s in st.items()}
+                                    for st in self.source_stats[1:]]
+            write_sources(directory, self.sources)
         (directory / PROCESSOR_FILE).write_text(json.dumps(meta, indent=2), encoding="utf-8")
         vlm_dir = directory / VLM_PROCESSOR_DIR
         self.vlm.save_pretrained(str(vlm_dir))
@@ -271,7 +325,8 @@ class GrootN17Processor(PolicyProcessor):
         meta = json.loads(meta_path.read_text(encoding="utf-8"))
         return cls(config, stats=meta["stats"], camera_keys=meta["camera_keys"], state_key=meta["state_key"],
                    action_key=meta["action_key"], vlm_processor=load_vlm_processor(directory / VLM_PROCESSOR_DIR),
-                   source=str(meta_path))
+                   source=str(meta_path), source_stats=meta.get("source_stats", []),
+                   sources=read_sources(directory))
 
 
 __all__ = ["GrootN17Processor", "formalize_language", "load_vlm_processor", "min_max_normalize",

@@ -21,7 +21,14 @@ import torch
 import torch.nn.functional as F
 
 from loong.core.errors import LoongError
-from loong.embodied.data.normalize import Normalizer
+from loong.embodied.data.normalize import (
+    Normalizer,
+    normalize_by_source,
+    read_sources,
+    source_index,
+    source_record,
+    write_sources,
+)
 from loong.embodied.policies.base import PolicyConfig, PolicyProcessor
 from loong.embodied.policies.pi05.config import Pi05Config
 from loong.embodied.policies.pi05.tokenizer import load_tokenizer
@@ -36,6 +43,11 @@ NORM_MAP = {"VISUAL": "IDENTITY", "STATE": "QUANTILES", "ACTION": "QUANTILES"}
 PROCESSOR_FILE = "pi05_processor.json"
 STATS_FILE = "pi05_stats.safetensors"
 TOKENIZER_DIR = "tokenizer"
+
+
+def source_stats_file(index: int) -> str:
+    """The statistics file of a mix's source ``index`` >= 1 (source 0's is ``pi05_stats.safetensors``)."""
+    return f"pi05_stats.{index}.safetensors"
 
 
 def resize_with_pad(images: torch.Tensor, height: int, width: int) -> torch.Tensor:
@@ -72,7 +84,10 @@ class Pi05Processor(PolicyProcessor):
     def __init__(self, config: Pi05Config, *, features: Mapping[str, Mapping[str, Any]],
                  stats: Mapping[str, Mapping[str, Any]] | None, camera_keys: Sequence[str],
                  state_key: str = "observation.state", action_key: str = "action",
-                 tokenizer: PreTrainedTokenizerBase | None = None, source: str = "stats") -> None:
+                 tokenizer: PreTrainedTokenizerBase | None = None, source: str = "stats",
+                 source_stats: Sequence[Mapping[str, Mapping[str, Any]] | None] = (),
+                 sources: Sequence[Mapping[str, Any]] | None = None,
+                 source_names: Sequence[str] = ()) -> None:
         self.config = config
         self.camera_keys = list(camera_keys)
         self.state_key, self.action_key = state_key, action_key
@@ -89,6 +104,11 @@ class Pi05Processor(PolicyProcessor):
             raise LoongError(f"pi05.max_state_dim: {config.max_state_dim} is less than the state dim "
                              f"{self.state_dim} of '{state_key}'")
         self.normalizer = Normalizer(stats, self.features, NORM_MAP, source=source)
+        # a mix: sources 1.. normalise with their own statistics (source 0's are ``stats``); one action space
+        names = list(source_names) or [f"source {i + 1}" for i in range(len(source_stats))]
+        self.normalizers = [self.normalizer] + [Normalizer(st, self.features, NORM_MAP, source=names[i])
+                                                for i, st in enumerate(source_stats)]
+        self.sources = None if sources is None else [dict(r) for r in sources]
         self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(config.tokenizer)
 
     @classmethod
@@ -99,6 +119,27 @@ class Pi05Processor(PolicyProcessor):
         return cls(config, features={k: dataset.meta.features[k] for k in keys}, stats=dataset.stats,
                    camera_keys=dataset.camera_keys, state_key=dataset.state_key, action_key=dataset.action_key,
                    source=str(Path(dataset.root) / "meta" / "stats.json"))
+
+    @classmethod
+    def from_datasets(cls, config: PolicyConfig, datasets: Sequence[VLADataset],
+                      embodiment_ids: Sequence[int] | None = None) -> Pi05Processor:
+        """The processor of a mix: each sample normalised with its source's ``meta/stats.json`` (by the batch's
+        ``dataset_index``). Pi0.5 has one action space: the datasets must agree on state and action dims."""
+        first = cls.from_dataset(config, datasets[0])
+        if len(datasets) == 1:
+            return first
+        for ds in datasets[1:]:
+            if (ds.state_dim, ds.action_dim) != (first.state_dim, first.action_dim):
+                raise LoongError(f"data.repo_root: Pi0.5 has one action space; {datasets[0].root} has state "
+                                 f"{first.state_dim} / action {first.action_dim} dims, {ds.root} has state "
+                                 f"{ds.state_dim} / action {ds.action_dim}: mix datasets of the same dims")
+        ids = list(embodiment_ids) if embodiment_ids is not None else list(range(len(datasets)))
+        return cls(config, features=first.features, stats=datasets[0].stats, camera_keys=first.camera_keys,
+                   state_key=first.state_key, action_key=first.action_key, tokenizer=first.tokenizer,
+                   source=str(Path(datasets[0].root) / "meta" / "stats.json"),
+                   source_stats=[ds.stats for ds in datasets[1:]],
+                   source_names=[str(Path(ds.root) / "meta" / "stats.json") for ds in datasets[1:]],
+                   sources=[source_record(ds, i) for ds, i in zip(datasets, ids, strict=True)])
 
     # raw batch -> model inputs --------------------------------------------------------------------------------
     def prompts(self, tasks: Sequence[str], state: torch.Tensor) -> list[str]:
@@ -156,7 +197,8 @@ class Pi05Processor(PolicyProcessor):
             if self.action_key not in batch:
                 raise LoongError(f"pi05 processor: the batch has no '{self.action_key}' (needed for training)")
             to_normalize[self.action_key] = torch.as_tensor(batch[self.action_key]).float()
-        normed = self.normalizer.normalize(to_normalize)
+        index = source_index(batch, b, len(self.normalizers), "pi05 processor")
+        normed = normalize_by_source(self.normalizers, to_normalize, index)
         encoded = self.tokenizer(self.prompts(tasks, normed[self.state_key]), max_length=self.config.tokenizer_max_length,
                                  truncation=True, padding="max_length", padding_side="right", return_tensors="pt")
         images, image_masks = self.images(batch, b)
@@ -176,9 +218,12 @@ class Pi05Processor(PolicyProcessor):
                                     else torch.zeros(actions.shape[:2], dtype=torch.bool))
         return out
 
-    def postprocess(self, actions: torch.Tensor) -> torch.Tensor:
-        """Robot actions ``[..., action_dim]``: the real dims, unnormalised."""
-        return self.normalizer.unnormalize_action(actions[..., : self.action_dim].float().cpu())
+    def postprocess(self, actions: torch.Tensor, source: int = 0) -> torch.Tensor:
+        """Robot actions ``[..., action_dim]``: the real dims, unnormalised with source ``source``'s statistics
+        (a mix's dataset index; 0 for a policy of one dataset)."""
+        if not 0 <= source < len(self.normalizers):
+            raise LoongError(f"pi05 processor: source {source} is not one of its {len(self.normalizers)} datasets")
+        return self.normalizers[source].unnormalize_action(actions[..., : self.action_dim].float().cpu())
 
     # persistence ----------------------------------------------------------------------------------------------
     def save(self, directory: Path) -> None:
@@ -193,6 +238,12 @@ class Pi05Processor(PolicyProcessor):
         flat = {f"{key}/{name}": torch.as_tensor(np.asarray(value)).contiguous()
                 for key, stats in self.normalizer.stats.items() for name, value in stats.items()}
         save_file(flat, str(directory / STATS_FILE))
+        if self.sources is not None:  # a mix: source i >= 1 in pi05_stats.<i>.safetensors, and which is which
+            for i, normalizer in enumerate(self.normalizers[1:], start=1):
+                save_file({f"{key}/{name}": torch.as_tensor(np.asarray(value)).contiguous()
+                           for key, stats in normalizer.stats.items() for name, value in stats.items()},
+                          str(directory / source_stats_file(i)))
+            write_sources(directory, self.sources)
         self.tokenizer.save_pretrained(str(directory / TOKENIZER_DIR))
 
     @classmethod
@@ -206,15 +257,23 @@ class Pi05Processor(PolicyProcessor):
         if not meta_path.is_file():
             raise LoongError(f"{directory}: no {PROCESSOR_FILE} (not a saved Pi0.5 processor)")
         meta = json.loads(meta_path.read_text(encoding="utf-8"))
-        stats: dict[str, dict[str, Any]] = {}
-        if (directory / STATS_FILE).is_file():
-            for name, value in load_file(str(directory / STATS_FILE)).items():
-                key, stat = name.rsplit("/", 1)
-                stats.setdefault(key, {})[stat] = value.numpy()
+
+        def read_stats(path: Path) -> dict[str, dict[str, Any]]:
+            stats: dict[str, dict[str, Any]] = {}
+            if path.is_file():
+                for name, value in load_file(str(path)).items():
+                    key, stat = name.rsplit("/", 1)
+                    stats.setdefault(key, {})[stat] = value.numpy()
+            return stats
+
+        sources = read_sources(directory)
+        extra = [] if sources is None else [directory / source_stats_file(i) for i in range(1, len(sources))]
         tokenizer = load_tokenizer(str(directory / TOKENIZER_DIR))
-        return cls(config, features=meta["features"], stats=stats, camera_keys=meta["camera_keys"],
-                   state_key=meta["state_key"], action_key=meta["action_key"], tokenizer=tokenizer,
-                   source=str(directory / STATS_FILE))
+        return cls(config, features=meta["features"], stats=read_stats(directory / STATS_FILE),
+                   camera_keys=meta["camera_keys"], state_key=meta["state_key"], action_key=meta["action_key"],
+                   tokenizer=tokenizer, source=str(directory / STATS_FILE),
+                   source_stats=[read_stats(p) for p in extra], source_names=[str(p) for p in extra],
+                   sources=sources)
 
 
 __all__ = ["NORM_MAP", "Pi05Processor", "discretize_state", "pi05_prompt", "resize_with_pad"]

@@ -1,0 +1,182 @@
+"""Export and re-import end to end (CPU, tiny configs, offline): ``loong-embodied train ... train.save_lerobot=true``
+of the tiny GR00T N1.7 writes ``<run>/lerobot/`` (with its base checkpoint inside) that lerobot 0.6.1's
+``GrootPolicy.from_pretrained`` + ``make_pre_post_processors(pretrained_path=...)`` load with HF_HUB_OFFLINE=1 and
+that gives Loong's loss on the same batch and draws; ``convert RUN DST`` writes the same; ``model.init_from=<that
+folder>`` starts a run from exactly those weights; a folder of another policy or other sizes is refused (exit 2,
+nothing written). Pi0.5's import (its tiny sizes need lerobot patched, so no CLI run can hold them) is
+``load_initial_weights`` of a lerobot ``PI05Policy.save_pretrained`` folder inside ``pi05_testing``'s patches."""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import io
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from loong.embodied.cli import main
+from loong.embodied.policies import POLICIES
+from loong.embodied.policies.groot_n1_7 import lerobot as groot_mapping
+from loong.embodied.task import load_initial_weights
+
+sys.path.insert(0, str(Path(__file__).parent))  # the shared fixtures modules beside this file
+import groot_testing as gt  # noqa: E402
+import pi05_testing as pt  # noqa: E402
+
+TOL = 1e-5
+RUN_ARGS = ["model.policy=groot_n1_7", "model.preset=tiny", "data.synthetic_episodes=4"]
+
+
+def _cli(cwd: Path, *argv: str) -> subprocess.CompletedProcess:
+    drop = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "LOONG_SINGLE_PROCESS")
+    env = {k: v for k, v in os.environ.items() if k not in drop}
+    env["HF_HUB_OFFLINE"] = "1"
+    return subprocess.run([sys.executable, "-m", "loong.embodied.cli", *argv], capture_output=True, text=True,
+                          timeout=600, env=env, cwd=cwd)
+
+
+def _main(*argv: str) -> tuple[int, str]:
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(err):
+        rc = main(list(argv))
+    return rc, err.getvalue()
+
+
+def _run_dir(out: Path) -> Path:
+    (run_dir,) = [p for p in out.iterdir() if not p.name.startswith(".")]
+    return run_dir
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    root = tmp_path_factory.mktemp("export")
+    # lerobot's preprocessor names nvidia/Cosmos-Reason2-2B's processor: the HF cache holds the tiny one (offline)
+    env = gt.make_lerobot_env(root / "lerobot_env")
+    out = root / "runs"
+    proc = _cli(root, "train", *RUN_ARGS, "train.steps=3", "train.save_lerobot=true", f"output_dir={out}")
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    run_dir = _run_dir(out)
+    return {"env": env, "root": root, "run_dir": run_dir, "lerobot": run_dir / "lerobot"}
+
+
+def _raw_batch(processor, seed: int) -> dict:
+    """A raw batch of the synthetic reach dataset's features (its cameras, 64x64; state, action chunk)."""
+    g = torch.Generator().manual_seed(seed)
+    b, chunk = 2, processor.config.chunk_size
+    batch = {cam: torch.rand(b, 3, 64, 64, generator=g) for cam in processor.camera_keys}
+    batch[processor.state_key] = torch.randn(b, processor.state_dim, generator=g)
+    batch[processor.action_key] = torch.randn(b, chunk, processor.action_dim, generator=g)
+    pad = torch.zeros(b, chunk, dtype=torch.bool)
+    pad[0, -2:] = True
+    batch["action_is_pad"] = pad
+    batch["task"] = ["reach the red target", "reach the blue target"]
+    return batch
+
+
+def _assert_same_loss_in_lerobot(folder: Path, loaded) -> None:
+    """lerobot loads ``folder`` (weights = the Loong policy's, all of them) and gives its loss on one batch."""
+    from lerobot.policies.factory import make_pre_post_processors
+    from lerobot.policies.groot.modeling_groot import GrootPolicy
+
+    assert os.environ.get("HF_HUB_OFFLINE") == "1"
+    theirs = GrootPolicy.from_pretrained(str(folder)).eval()
+    _, expected = groot_mapping.to_lerobot(loaded.config, loaded.policy.state_dict(), loaded.processor,
+                                           base_model_path="unused")
+    state = theirs.state_dict()
+    assert set(state) == set(expected)
+    for key, value in expected.items():  # from_pretrained only warns about weights it does not load
+        assert torch.equal(state[key], value), key
+    pre, _post = make_pre_post_processors(theirs.config, pretrained_path=str(folder))
+    batch = _raw_batch(loaded.processor, seed=5)
+    with torch.no_grad():
+        torch.manual_seed(3)  # lerobot draws noise then time from the global generator; Loong the same way
+        their_loss, _ = theirs.forward(pre(copy.deepcopy(batch)))
+        torch.manual_seed(3)
+        our_loss, _ = loaded.policy.eval().loss(loaded.processor(batch))
+    rel = float((our_loss - their_loss).abs() / their_loss.abs().clamp_min(1e-12))
+    assert rel <= TOL, (our_loss.item(), their_loss.item())
+
+
+def test_save_lerobot_folder_loads_in_lerobot_offline_with_the_same_loss(exported: dict) -> None:
+    from loong.embodied.inference import load_policy
+
+    folder = exported["lerobot"]
+    names = {p.name for p in folder.iterdir()}
+    assert {"config.json", "model.safetensors", "policy_preprocessor.json", "policy_postprocessor.json",
+            groot_mapping.EXPORT_BASE_DIR} <= names
+    base = folder / groot_mapping.EXPORT_BASE_DIR
+    assert (base / "config.json").is_file() and (base / "backbone" / "config.json").is_file()
+    loaded = load_policy(exported["run_dir"], device="cpu", dtype="fp32")
+    _assert_same_loss_in_lerobot(folder, loaded)
+
+
+def test_convert_writes_the_same_loadable_folder(exported: dict) -> None:
+    from loong.embodied.inference import load_policy
+
+    dst = exported["root"] / "converted"
+    rc, log = _main("convert", str(exported["run_dir"]), str(dst))
+    assert rc == 0, log
+    loaded = load_policy(exported["run_dir"], device="cpu", dtype="fp32")
+    _assert_same_loss_in_lerobot(dst, loaded)
+
+
+def test_init_from_the_export_starts_from_its_weights(exported: dict) -> None:
+    """A run from the lerobot folder at lr 0: its checkpoint holds exactly the exported weights (API and CLI)."""
+    from loong.embodied.inference import load_policy
+
+    folder = exported["lerobot"]
+    spec = POLICIES.get("groot_n1_7")
+    trained = load_policy(exported["run_dir"], device="cpu", dtype="fp32").policy.state_dict()
+    torch.manual_seed(99)
+    fresh = spec.policy_class(spec.presets["tiny"])
+    load_initial_weights(fresh, folder, spec, spec.presets["tiny"])
+    assert set(fresh.state_dict()) == set(trained)
+    assert all(torch.equal(v, trained[k]) for k, v in fresh.state_dict().items())
+    out = exported["root"] / "init_runs"
+    proc = _cli(exported["root"], "train", *RUN_ARGS, "train.steps=1", "train.lr=0", "train.min_lr=0",
+                f"model.init_from={folder}", f"output_dir={out}")
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    step0 = load_policy(_run_dir(out), device="cpu", dtype="fp32").policy.state_dict()
+    assert all(torch.equal(v, trained[k]) for k, v in step0.items())
+
+
+@pytest.mark.parametrize(("overrides", "message"), [
+    (["model.policy=pi05", "model.preset=tiny"], "a lerobot groot_n1_7 policy, not model.policy=pi05"),
+    ([*RUN_ARGS, "model.config.hidden_size=48"], "do not fit model.policy=groot_n1_7"),
+])
+def test_init_from_a_folder_of_another_policy_or_size_is_refused(exported: dict, tmp_path: Path,
+                                                                 overrides: list[str], message: str) -> None:
+    out = tmp_path / "out"
+    rc, log = _main("train", *overrides, f"model.init_from={exported['lerobot']}", f"output_dir={out}")
+    assert rc == 2 and message in log and "model.init_from=" in log, log
+    assert not out.exists()
+
+
+def test_pi05_init_from_a_lerobot_folder_is_bit_exact(tmp_path: Path) -> None:
+    """lerobot's PI05Policy (shrunk by the test-only patches) saved with save_pretrained; a Loong Pi0.5 of the
+    same sizes loads it through load_initial_weights (model.init_from's path) bit for bit; other sizes refuse."""
+    from lerobot.policies.pi05.modeling_pi05 import PI05Policy
+
+    from loong.core.errors import LoongError
+    from loong.embodied.policies.pi05 import lerobot as pi05_mapping
+
+    spec = POLICIES.get("pi05")
+    with pt.lerobot_patches(tmp_path / "hub"):
+        torch.manual_seed(5)
+        theirs = PI05Policy(pt.lerobot_config())
+        src = tmp_path / "pi05_lerobot"
+        theirs.save_pretrained(src)
+        reloaded = PI05Policy.from_pretrained(str(src)).state_dict()
+        config = pt.parity_config()
+        ours = spec.policy_class(config)
+        load_initial_weights(ours, src, spec, config)
+        for key, value in ours.state_dict().items():
+            assert torch.equal(value, reloaded[pi05_mapping.to_lerobot_name(key)]), key
+        with pytest.raises(LoongError, match="do not fit model.policy=pi05"):
+            other = config.replace(expert_width=config.expert_width * 2)
+            load_initial_weights(spec.policy_class(other), src, spec, other)
