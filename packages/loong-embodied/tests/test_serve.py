@@ -194,3 +194,13 @@ def test_serve_command(loaded, tmp_path: Path) -> None:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_the_embodiment_id_of_a_request_reaches_the_policy() -> None:
+    """GR00T's per-embodiment heads per request: ``embodiment_id`` passes the key map (a plain int or msgpack-numpy's
+    scalar), where other unknown client keys are dropped."""
+    obs = {"prompt": "reach", "state": np.zeros(2, dtype=np.float32), "embodiment_id": np.asarray(3),
+           "unrelated": 1}
+    out = KeyMap().apply(obs)
+    assert out["embodiment_id"] == 3 and isinstance(out["embodiment_id"], int) and "unrelated" not in out
+    assert KeyMap().apply({"embodiment_id": 7})["embodiment_id"] == 7

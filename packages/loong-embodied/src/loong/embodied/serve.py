@@ -47,7 +47,7 @@ import numpy as np
 
 from loong.core.errors import LoongError
 from loong.embodied.data.dataset import IMAGE_PREFIX
-from loong.embodied.inference import STATE_KEY, TASK_KEY, PolicyRunner
+from loong.embodied.inference import EMBODIMENT_KEY, STATE_KEY, TASK_KEY, PolicyRunner
 
 logger = logging.getLogger(__name__)
 
@@ -110,7 +110,9 @@ def flatten(observation: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
 
 
 def _is_policy_key(key: str) -> bool:
-    return key.startswith(IMAGE_PREFIX) or key in (STATE_KEY, TASK_KEY) or key.startswith("observation.")
+    # embodiment_id: GR00T's per-embodiment heads, per request (PolicyRunner reads it; default: the trained one's)
+    return (key.startswith(IMAGE_PREFIX) or key in (STATE_KEY, TASK_KEY, EMBODIMENT_KEY)
+            or key.startswith("observation."))
 
 
 class KeyMap:
@@ -161,6 +163,8 @@ class KeyMap:
         if states:
             parts = [np.atleast_1d(np.asarray(v, dtype=np.float32)).reshape(-1) for _, _, v in sorted(states)]
             out[STATE_KEY] = np.concatenate(parts)
+        if isinstance(out.get(EMBODIMENT_KEY), np.ndarray):  # a numpy scalar from msgpack-numpy clients
+            out[EMBODIMENT_KEY] = out[EMBODIMENT_KEY].item()
         if isinstance(out.get(TASK_KEY), np.ndarray):  # some clients send the prompt as a numpy string
             out[TASK_KEY] = str(out[TASK_KEY].item() if out[TASK_KEY].ndim == 0 else out[TASK_KEY])
         return out
