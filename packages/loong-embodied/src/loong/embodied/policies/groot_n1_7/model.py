@@ -26,6 +26,7 @@ from loong.core.errors import LoongError
 from loong.embodied.policies.base import VLAPolicy
 from loong.embodied.policies.groot import GrootActionHead
 from loong.embodied.policies.groot_n1_7.config import GrootN17Config
+from loong.embodied.policies.groot_n1_7.vision_attention import use_image_batched_attention
 
 #: the model-input keys the backbone reads (processor output)
 BACKBONE_KEYS = ("input_ids", "attention_mask", "pixel_values", "image_grid_thw", "mm_token_type_ids")
@@ -43,6 +44,8 @@ def build_backbone(config: GrootN17Config) -> nn.Module:
     backbone = Qwen3VLModel(qwen_config)
     lm = backbone.language_model
     lm.layers = nn.ModuleList(list(lm.layers)[: config.select_layer])
+    # all the images of a batch in one attention call per layer, not one call per image (vision_attention.py)
+    use_image_batched_attention(backbone.visual)
     return backbone
 
 
