@@ -120,6 +120,12 @@ def check_initial_weights(path: Path, spec: PolicySpec, config: PolicyConfig) ->
             expected = spec.policy_class(config).state_dict()
         _lerobot_initial_state(path, spec, config, expected)
         return
+    checkpoint_of_policy(path, spec)
+
+
+def checkpoint_of_policy(path: Path, spec: PolicySpec) -> Path:
+    """The step folder ``model.init_from=path`` names (a run, ``checkpoints`` or step folder), refused unless it
+    holds a ``spec`` policy."""
     from loong.core.checkpoint import read_config, resolve_checkpoint
 
     step_dir = resolve_checkpoint(path)
@@ -127,6 +133,7 @@ def check_initial_weights(path: Path, spec: PolicySpec, config: PolicyConfig) ->
     if saved.get("policy") != spec.name:
         raise LoongError(f"model.init_from={path}: {step_dir} holds a {saved.get('policy')!r} policy, not "
                          f"model.policy={spec.name}")
+    return step_dir
 
 
 def load_initial_weights(model: nn.Module, path: Path, spec: PolicySpec, config: PolicyConfig) -> None:
@@ -139,14 +146,9 @@ def load_initial_weights(model: nn.Module, path: Path, spec: PolicySpec, config:
         return
     import torch.distributed.checkpoint as dcp
 
-    from loong.core.checkpoint import read_config, resolve_checkpoint
     from loong.core.engines.fsdp.checkpoint import check_same_model
 
-    step_dir = resolve_checkpoint(path)
-    saved = read_config(step_dir).get("model", {})
-    if saved.get("policy") != spec.name:
-        raise LoongError(f"model.init_from={path}: {step_dir} holds a {saved.get('policy')!r} policy, not "
-                         f"model.policy={spec.name}")
+    step_dir = checkpoint_of_policy(path, spec)
     state = {"model": model.state_dict()}
     try:
         check_same_model(step_dir, state["model"], allow_missing=False)

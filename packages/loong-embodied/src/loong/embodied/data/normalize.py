@@ -205,3 +205,12 @@ def source_record(dataset: VLADataset, embodiment_id: int | None) -> dict[str, A
 
 __all__ = ["NEEDED_STATS", "SOURCES_FILE", "SOURCE_KEY", "Normalizer", "check_same_dims", "min_max_stats", "normalize_by_source", "read_sources",
            "source_index", "source_record", "write_sources"]
+
+
+def source_bounds(source_stats: Sequence[Mapping[str, Mapping[str, torch.Tensor]]], key: str,
+                  index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[b, dim]`` min and max of ``key`` for each sample's source ``index`` (GR00T's min-max normalisation of a
+    mix: ``source_stats[i]`` is dataset ``i``'s statistics)."""
+    lo = torch.stack([st[key]["min"] for st in source_stats])
+    hi = torch.stack([st[key]["max"] for st in source_stats])
+    return lo[index], hi[index]

@@ -39,6 +39,7 @@ from loong.embodied.data.normalize import (
     check_same_dims,
     min_max_stats,
     read_sources,
+    source_bounds,
     source_index,
     source_record,
     write_sources,
@@ -193,9 +194,7 @@ class GrootN16Processor(PolicyProcessor):
 
     def bounds(self, key: str, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``[b, dim]`` min and max of ``key`` for each sample's source ``index``."""
-        lo = torch.stack([st[key]["min"] for st in self.source_stats])
-        hi = torch.stack([st[key]["max"] for st in self.source_stats])
-        return lo[index], hi[index]
+        return source_bounds(self.source_stats, key, index)
 
     # raw batch -> model inputs --------------------------------------------------------------------------------
     def prompts(self, tasks: Sequence[str]) -> list[str]:

@@ -30,6 +30,7 @@ from loong.embodied.data.normalize import (
     check_same_dims,
     min_max_stats,
     read_sources,
+    source_bounds,
     source_index,
     source_record,
     write_sources,
@@ -184,9 +185,7 @@ class GrootN17Processor(PolicyProcessor):
 
     def bounds(self, key: str, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``[b, dim]`` min and max of ``key`` for each sample's source ``index``."""
-        lo = torch.stack([st[key]["min"] for st in self.source_stats])
-        hi = torch.stack([st[key]["max"] for st in self.source_stats])
-        return lo[index], hi[index]
+        return source_bounds(self.source_stats, key, index)
 
     def embodiment_ids(self, batch: Mapping[str, Any], index: torch.Tensor, b: int) -> torch.Tensor:
         """``[b]``: the batch's ``embodiment_id``, else each source's (a mix), else the config's."""
