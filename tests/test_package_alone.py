@@ -166,7 +166,7 @@ def test_a_second_modality_adds_and_changes_nothing(first: str, second: str, bui
     for kind, names in registry_before.items():
         assert set(names) <= set(registry_after[kind]), f"{kind}: installing {second} removed {set(names) - set(registry_after[kind])}"
     added = {k: sorted(set(v) - set(registry_before[k])) for k, v in registry_after.items()}
-    assert added["TASKS"] and added["CONFIG_DIRS"], f"{second} registered nothing: {added}"
+    assert added["TASKS"] and added["RUN_CONFIGS"], f"{second} registered nothing: {added}"
     second_help = venv.run(second, "--help")
     assert second_help.returncode == 0, second_help.stderr[-3000:]
     env = venv.run("loong", "env", "--json")
