@@ -7,7 +7,8 @@ tokens on CUDA; a tiny grid on CPU), random bf16 weights and inputs, two forward
 compared, after any recompilation), for each case of ``--cases`` (``b<batch>_<none|selective>``: batch size and
 whether the feed-forward is checkpointed as ``model.recompute=selective`` does; a ``_nosplit`` suffix compiles with
 inductor's ``split_reductions`` off, ``_nopersist`` with its persistent Triton reductions off, to test whether
-either causes the error; ``--grid`` changes the token count). Relative error = max |compiled −
+either causes the error, ``_nomix`` with its mix-order reductions (one kernel reducing a tensor over both of its
+dimensions, as a norm's backward does) off; ``--grid`` changes the token count). Relative error = max |compiled −
 eager| / max |eager|; bf16 rounding alone gives ~1e-2 at most here. Prints a table and writes JSON to
 ``benchmarks/results/``.
 
@@ -36,7 +37,8 @@ def rel(got: torch.Tensor, want: torch.Tensor) -> float:
 
 
 def run_case(preset: str, batch: int, recompute: str, grid: tuple[int, int, int], text_len: int,
-             split_reductions: bool = True, persistent_reductions: bool = True) -> dict:
+             split_reductions: bool = True, persistent_reductions: bool = True,
+             mix_order_reduction: bool = True) -> dict:
     from loong.core.attention import CPGroups
     from loong.diffusion.models.wan import PRESETS
     from loong.diffusion.models.wan.block import WanBlock
@@ -57,6 +59,7 @@ def run_case(preset: str, batch: int, recompute: str, grid: tuple[int, int, int]
     torch._dynamo.reset()
     torch._inductor.config.split_reductions = split_reductions
     torch._inductor.config.triton.persistent_reductions = persistent_reductions
+    torch._inductor.config.triton.mix_order_reduction = mix_order_reduction
     compiled.compile()
     n = grid[0] * grid[1] * grid[2]
     g = torch.Generator(device=dev).manual_seed(1)
@@ -85,7 +88,9 @@ def run_case(preset: str, batch: int, recompute: str, grid: tuple[int, int, int]
     worst = sorted(grads.items(), key=lambda kv: -kv[1])[:4]
     torch._inductor.config.split_reductions = True
     torch._inductor.config.triton.persistent_reductions = True
-    suffix = ("" if split_reductions else "_nosplit") + ("" if persistent_reductions else "_nopersist")
+    torch._inductor.config.triton.mix_order_reduction = True
+    suffix = (("" if split_reductions else "_nosplit") + ("" if persistent_reductions else "_nopersist")
+              + ("" if mix_order_reduction else "_nomix"))
     return {"case": f"b{batch}_{recompute}{suffix}", "tokens": n, "out": rel(c[0], e[0]), "grad_x": rel(c[1], e[1]),
             "grad_modulation_input": rel(c[2], e[2]), "worst_param_grads": dict(worst), "vs_fp32_eager": vs_fp32,
             "param_grads": grads}
@@ -107,7 +112,7 @@ def main() -> None:
     for case in args.cases:
         batch, recompute, *flags = case.split("_")
         rows.append(run_case(args.preset, int(batch[1:]), recompute, grid, text_len, "nosplit" not in flags,
-                             "nopersist" not in flags))
+                             "nopersist" not in flags, "nomix" not in flags))
         r = rows[-1]
         print(f"{r['case']:<14} out {r['out']:.2e}  dx {r['grad_x']:.2e}  d(modulation input) "
               f"{r['grad_modulation_input']:.2e}  worst params {', '.join(f'{k} {v:.2e}' for k, v in r['worst_param_grads'].items())}; against fp32 eager: "
