@@ -7,8 +7,10 @@ tokens on CUDA; a tiny grid on CPU), random bf16 weights and inputs, two forward
 compared, after any recompilation), for each case of ``--cases`` (``b<batch>_<none|selective>``: batch size and
 whether the feed-forward is checkpointed as ``model.recompute=selective`` does; a ``_nosplit`` suffix compiles with
 inductor's ``split_reductions`` off, ``_nopersist`` with its persistent Triton reductions off, to test whether
-either causes the error, ``_nomix`` with its mix-order reductions (one kernel reducing a tensor over both of its
-dimensions, as a norm's backward does) off; ``--grid`` changes the token count). Relative error = max |compiled −
+either causes the error). The compiled block takes the Wan task's inductor options (``loong.diffusion.task.COMPILE_OPTIONS``:
+mix-order reductions off, the fix for the fault); a ``_mix`` suffix turns inductor's mix-order reductions (one
+kernel reducing a tensor over both of its dimensions, as a norm's backward does) back on, which reproduces the
+fault. ``--grid`` changes the token count). Relative error = max |compiled −
 eager| / max |eager|; bf16 rounding alone gives ~1e-2 at most here. Prints a table and writes JSON to
 ``benchmarks/results/``.
 
@@ -38,11 +40,12 @@ def rel(got: torch.Tensor, want: torch.Tensor) -> float:
 
 def run_case(preset: str, batch: int, recompute: str, grid: tuple[int, int, int], text_len: int,
              split_reductions: bool = True, persistent_reductions: bool = True,
-             mix_order_reduction: bool = True) -> dict:
+             mix_order_reduction: bool = False) -> dict:
     from loong.core.attention import CPGroups
     from loong.diffusion.models.wan import PRESETS
     from loong.diffusion.models.wan.block import WanBlock
     from loong.diffusion.models.wan.rope import grid_positions, rope_angles
+    from loong.diffusion.task import COMPILE_OPTIONS
 
     cfg = PRESETS[preset]
     dev = "cuda" if torch.cuda.is_available() else "cpu"
@@ -59,8 +62,7 @@ def run_case(preset: str, batch: int, recompute: str, grid: tuple[int, int, int]
     torch._dynamo.reset()
     torch._inductor.config.split_reductions = split_reductions
     torch._inductor.config.triton.persistent_reductions = persistent_reductions
-    torch._inductor.config.triton.mix_order_reduction = mix_order_reduction
-    compiled.compile()
+    compiled.compile(options={**COMPILE_OPTIONS, "triton.mix_order_reduction": mix_order_reduction})
     n = grid[0] * grid[1] * grid[2]
     g = torch.Generator(device=dev).manual_seed(1)
     x = torch.randn(batch, n, cfg.dim, device=dev, generator=g).bfloat16()
@@ -88,9 +90,8 @@ def run_case(preset: str, batch: int, recompute: str, grid: tuple[int, int, int]
     worst = sorted(grads.items(), key=lambda kv: -kv[1])[:4]
     torch._inductor.config.split_reductions = True
     torch._inductor.config.triton.persistent_reductions = True
-    torch._inductor.config.triton.mix_order_reduction = True
     suffix = (("" if split_reductions else "_nosplit") + ("" if persistent_reductions else "_nopersist")
-              + ("" if mix_order_reduction else "_nomix"))
+              + ("_mix" if mix_order_reduction else ""))
     return {"case": f"b{batch}_{recompute}{suffix}", "tokens": n, "out": rel(c[0], e[0]), "grad_x": rel(c[1], e[1]),
             "grad_modulation_input": rel(c[2], e[2]), "worst_param_grads": dict(worst), "vs_fp32_eager": vs_fp32,
             "param_grads": grads}
@@ -99,7 +100,7 @@ def run_case(preset: str, batch: int, recompute: str, grid: tuple[int, int, int]
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--preset", default="wan2_1_t2v_1_3b")
-    p.add_argument("--cases", nargs="+", default=["b1_none", "b1_selective", "b2_none", "b1_none_nosplit"])
+    p.add_argument("--cases", nargs="+", default=["b1_none", "b1_selective", "b2_none", "b1_none_mix"])
     p.add_argument("--out", default=None, help="JSON path (default: results/wan_compile_check_<gpu>_<date>.json)")
     p.add_argument("--grid", type=int, nargs=3, default=None, metavar=("F", "H", "W"),
                    help="the latent token grid (default: 21 30 52 on CUDA, 2 4 4 on the CPU)")
@@ -112,7 +113,7 @@ def main() -> None:
     for case in args.cases:
         batch, recompute, *flags = case.split("_")
         rows.append(run_case(args.preset, int(batch[1:]), recompute, grid, text_len, "nosplit" not in flags,
-                             "nopersist" not in flags, "nomix" not in flags))
+                             "nopersist" not in flags, "mix" in flags))
         r = rows[-1]
         print(f"{r['case']:<14} out {r['out']:.2e}  dx {r['grad_x']:.2e}  d(modulation input) "
               f"{r['grad_modulation_input']:.2e}  worst params {', '.join(f'{k} {v:.2e}' for k, v in r['worst_param_grads'].items())}; against fp32 eager: "

@@ -12,7 +12,6 @@ from __future__ import annotations
 import functools
 import math
 import statistics
-import sys
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -34,13 +33,24 @@ from loong.diffusion.data.synthetic import MovingShapes
 from loong.diffusion.experts import EXPERTS, Expert, ExpertPair, expert_range, step_expert
 from loong.diffusion.flow import flow_sample
 from loong.diffusion.models.wan import WanConfig, WanTransformer
-from loong.diffusion.models.wan.mapping import config_to_diffusers, from_diffusers, read_diffusers_folder
+from loong.diffusion.models.wan.mapping import (
+    check_diffusers_weights,
+    config_to_diffusers,
+    from_diffusers,
+    read_diffusers_folder,
+)
 from loong.diffusion.models.wan.model import to_patches
 from loong.diffusion.packing import ClipPacker, PackedPrediction, check_packing, clip_cost_model, packed_loss
 from loong.diffusion.training_preview import check_preview, write_preview
 
 #: the stream offset of evaluation samples: far from any training index, so they get fresh noise and σ
 EVAL_OFFSET = 10**7
+
+#: torch 2.11's inductor fuses a norm's backward reductions over the hidden and the token dimension into one
+#: "mix-order" kernel; at one clip a micro-batch (a [1, 1, dim] modulation broadcast over 32K tokens) that kernel
+#: gave the modulation gradients 10% off fp32 on an H200 where eager bf16 is 0.4% off; with it off, 0.5%
+#: (benchmarks/wan_compile_check.py, docs/performance.md's Wan section).
+COMPILE_OPTIONS: dict[str, Any] = {"triton.mix_order_reduction": False}
 
 
 def clip_tokens(shape: Sequence[int], patch_size: Sequence[int]) -> int:
@@ -240,15 +250,11 @@ class WanTask(FSDPTask):
 
     # --- model and loss ----------------------------------------------------------------------
     def build_model(self) -> nn.Module:
-        t = self.cfg.train
-        batch_one = t.micro_batch_size == 1 or bool(self.cfg.data.pack_tokens)
-        if t.compile and batch_one and self.accelerator.name == "cuda" and self.layout.is_logging_rank:
-            print("warning: train.compile=true with one clip a micro-batch: on torch 2.11 / an H200, inductor's "
-                  "backward of a compiled Wan block at the 1.3B shape gave a modulation-table gradient 10% off fp32 "
-                  "(eager bf16: 0.4%); see docs/performance.md (Wan) and benchmarks/wan_compile_check.py",
-                  file=sys.stderr)
         self.trained = self._trained_module()  # kept for the previews: the engine shards this very module in place
         return self.trained
+
+    def compile_options(self) -> dict[str, Any]:
+        return dict(COMPILE_OPTIONS)
 
     def _trained_module(self) -> nn.Module:
         if self.wan.experts == 2 and self.cfg.model.expert == "both":
@@ -271,6 +277,7 @@ class WanTask(FSDPTask):
         if differ:
             raise LoongError(f"model.init_from_diffusers: {path} holds another shape ({', '.join(differ)} differ "
                              f"from model.preset={self.cfg.model.preset} and its overrides)")
+        check_diffusers_weights(path, self.wan, weights)
         model.wan.load_state_dict(from_diffusers(weights), strict=True)
 
     def blocks(self, model: nn.Module) -> list[nn.Module]:

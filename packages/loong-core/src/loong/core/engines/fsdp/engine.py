@@ -104,7 +104,7 @@ class FSDPEngine(Engine):
             why = accelerator.fsdp_adaptations().get("compile_unsupported")
             if why:
                 raise LoongError(f"train.compile=true: {why}")
-            apply_compile(blocks)
+            apply_compile(blocks, task.compile_options())
         self.ddp = cfg.parallel.fsdp == "none"
         adaptations = accelerator.fsdp_adaptations()
         self.model = shard(model, blocks, layout, self.dtype, t.grad_reduce_in_bf16,

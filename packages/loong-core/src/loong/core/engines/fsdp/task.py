@@ -53,6 +53,14 @@ class FSDPTask(Task):
             queue.extend(module.children())
         return []
 
+    def compile_options(self) -> dict[str, Any]:
+        """Inductor options for ``train.compile`` (``torch.compile(options=...)``, per block); default none.
+
+        A task sets one where its model meets a measured inductor fault, so the fix stays with the model and leaves
+        other tasks' compilation alone.
+        """
+        return {}
+
     def mlp(self, block: nn.Module) -> nn.Module | None:
         """The block's feed-forward part, recomputed by ``model.recompute=selective`` (default: the first child
         named in :data:`MLP_NAMES`)."""

@@ -69,10 +69,11 @@ def apply_recompute(model: nn.Module, blocks: list[nn.Module], mode: str,
     return out
 
 
-def apply_compile(blocks: list[nn.Module]) -> None:
-    """``torch.compile`` each block in place (``nn.Module.compile``: names and keys stay as they are)."""
+def apply_compile(blocks: list[nn.Module], options: dict[str, Any] | None = None) -> None:
+    """``torch.compile`` each block in place (``nn.Module.compile``: names and keys stay as they are), with the
+    task's inductor ``options`` if it has any."""
     for block in blocks:
-        block.compile()
+        block.compile(options=options or None)
 
 
 def graph_breaks() -> dict[str, int]:
