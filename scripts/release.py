@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
+import os
 import re
 import shutil
 import subprocess
@@ -115,6 +116,16 @@ def run(cmd: list[str], cwd: Path, **kwargs) -> subprocess.CompletedProcess:
     return done
 
 
+def fresh_venv_env() -> dict[str, str]:
+    """The environment for installing into and testing in the fresh venv: no bytecode compiled at install (CI sets
+    UV_COMPILE_BYTECODE=1, which compiles all of torch), and the tests' own imports may write theirs
+    (PYTHONDONTWRITEBYTECODE would recompile every module in every test process): each module the tests import is
+    compiled once, the rest never."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
+    env["UV_COMPILE_BYTECODE"] = "0"
+    return env
+
+
 def sibling_closure(root: Path, package: str) -> list[str]:
     """The workspace packages `package` needs at run time (itself first), through its dependencies and extras."""
     names, order = set(workspace_packages(root)), []
@@ -156,13 +167,13 @@ def build_and_test(root: Path, package: str, work: Path) -> Path:
     overrides = work / "overrides.txt"
     overrides.write_text("\n".join(root_config["tool"]["uv"].get("override-dependencies", [])) + "\n")
     run(["uv", "pip", "install", "--python", str(python), "-c", str(constraints), "--overrides", str(overrides),
-         *map(str, wheels), *test_tools], cwd=work)
+         *map(str, wheels), *test_tools], cwd=work, env=fresh_venv_env())
     tests = work / "tests"
     shutil.copytree(package_dir(root, package) / "tests", tests)
     # From a folder outside the repo, so `loong` can only come from the installed wheels.
     done = subprocess.run([str(python), "-m", "pytest", str(tests), *TEST_ARGS, "-o", "addopts=",
                            "--rootdir", str(work), "--basetemp", str(work / "pt")],
-                          cwd=work, text=True, capture_output=True)
+                          cwd=work, text=True, capture_output=True, env=fresh_venv_env())
     if done.returncode not in (0, 5):
         raise ReleaseError(f"{package}'s tests failed against the installed wheel:\n{done.stdout[-6000:]}")
     print(done.stdout.strip().splitlines()[-1] if done.stdout.strip() else "no tests")

@@ -61,9 +61,12 @@ REGISTRY_SNAPSHOT = (
 def clean_env() -> dict[str, str]:
     """This process's environment without what would tie a child to the repository or to a distributed job."""
     drop = {"VIRTUAL_ENV", "PYTHONPATH", "UV_PROJECT_ENVIRONMENT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
-            "MASTER_PORT", "LOONG_SINGLE_PROCESS", "LOONG_ACCELERATOR"}
+            "MASTER_PORT", "LOONG_SINGLE_PROCESS", "LOONG_ACCELERATOR", "PYTHONDONTWRITEBYTECODE"}
     env = {k: v for k, v in os.environ.items() if k not in drop}
     env["HF_HUB_OFFLINE"] = "1"
+    # CI's UV_COMPILE_BYTECODE=1 would compile all of torch at each of the seven installs; instead each venv's
+    # first import of a module writes its .pyc (PYTHONDONTWRITEBYTECODE dropped above) and later processes reuse it
+    env["UV_COMPILE_BYTECODE"] = "0"
     return env
 
 

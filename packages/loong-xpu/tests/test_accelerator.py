@@ -164,6 +164,9 @@ def test_extra_capabilities_are_opt_in_and_checked(sim: ModuleType) -> None:
 
 
 def test_megatron_overrides_are_real_transformer_config_fields() -> None:
+    # megatron-core comes with loong-llm, not with this plugin: the workspace runs this check, the plugin's wheel
+    # tested alone (scripts/release.py) has no megatron overrides to apply and skips it
+    pytest.importorskip("megatron.core", reason="megatron-core is loong-llm's dependency, not loong-xpu's")
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     fields = {f.name for f in dataclasses.fields(TransformerConfig)}

@@ -83,8 +83,15 @@ def train(config_module: str, config_name: str, overrides: list[str], schema: ty
         # An explicit checkpoint defines the model it holds (e.g. one made by `convert`); model.*
         # keys given on the command line (e.g. model.lora.rank=8) still win.
         step_dir = resolve_checkpoint(cfg.train.resume, verify=False)  # checksums: after dist init
-        plain["model"] = _with_model_overrides(read_config(step_dir)["model"], overrides)
-        cfg = from_dict(schema, plain)
+        saved = read_config(step_dir)
+        model = saved.get("model") if isinstance(saved, dict) else None
+        try:  # the overrides were checked above: what fails here is the checkpoint's model (another modality's)
+            if not isinstance(model, dict):
+                raise LoongError("its config has no model section")
+            plain["model"] = _with_model_overrides(model, overrides)
+            cfg = from_dict(schema, plain)
+        except LoongError as exc:
+            raise LoongError(f"train.resume: {step_dir} is not a checkpoint of this CLI's models ({exc})") from None
     return run(cfg, echo)
 
 

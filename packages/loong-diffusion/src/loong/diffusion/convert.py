@@ -31,7 +31,13 @@ from loong.core.errors import LoongError
 from loong.diffusion.experts import EXPERTS
 from loong.diffusion.models.wan import WanConfig, WanTransformer, config_from_diffusers, save_diffusers
 from loong.diffusion.models.wan.config import PRESETS
-from loong.diffusion.models.wan.mapping import CONFIG_NAME, KEEP_FP32, from_diffusers, read_diffusers_folder
+from loong.diffusion.models.wan.mapping import (
+    CONFIG_NAME,
+    KEEP_FP32,
+    check_diffusers_weights,
+    from_diffusers,
+    read_diffusers_folder,
+)
 from loong.diffusion.schema import WAN_FIELDS, DiffusionRunConfig, WanModelConfig
 
 #: the Wan model's place in the trained module (``task.ShardPrediction.wan``): the prefix of its checkpoint keys
@@ -85,14 +91,12 @@ def diffusers_to_loong(src: Path, dst: Path, dtype: str = "auto") -> Path:
     """Write the diffusers transformer folder ``src`` as a weights-only Loong checkpoint under ``dst/checkpoints``;
     returns the step directory."""
     raw, weights = read_diffusers_folder(src)
-    wan = config_from_diffusers(raw, **_pipeline_fields(src))
+    try:
+        wan = config_from_diffusers(raw, **_pipeline_fields(src))
+    except LoongError as exc:  # the config reader knows fields, not the file
+        raise LoongError(f"{src / CONFIG_NAME}: {exc}") from None
+    check_diffusers_weights(src, wan, weights)  # names, shapes, dtypes: before anything is written
     state = from_diffusers(weights)
-    with torch.device("meta"):
-        expected = WanTransformer(wan).state_dict()
-    if sorted(state) != sorted(expected):  # e.g. an I2V folder whose config lacks image_dim
-        missing, extra = sorted(set(expected) - set(state)), sorted(set(state) - set(expected))
-        raise LoongError(f"{src}: the weights do not match its {CONFIG_NAME} (missing {missing[:3]}, "
-                         f"unexpected {extra[:3]})")
     target = DTYPES.get(dtype)
     model = {MODEL_PREFIX + k: (v.to(target) if target is not None and v.is_floating_point() else v).contiguous()
              for k, v in state.items()}

@@ -94,6 +94,10 @@ def checkpoint_problem(directory: Path, checksums: bool = True) -> str | None:
         files = manifest["files"]
     except (ValueError, KeyError, TypeError):
         return f"{MANIFEST} is unreadable"
+    version = manifest.get("format", FORMAT)
+    if not isinstance(version, int) or version > FORMAT:  # its layout may differ in ways this code cannot read
+        return (f"written by a newer Loong (checkpoint format {version}; this Loong reads format {FORMAT}); "
+                "upgrade Loong to load it")
     problem = None
     for name, meta in files.items():
         f = directory / name

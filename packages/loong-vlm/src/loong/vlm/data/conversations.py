@@ -207,14 +207,16 @@ def read_vision_conversations(path: Path, fmt: str = "auto", on_error: str = "ra
     root = Path(media_root) if media_root is not None else path.parent
     stats = ReadStats()
     conversations: list[VisionConversation] = []
-    with path.open(encoding="utf-8") as fh:
+    with path.open("rb") as fh:  # bytes: a bad byte is a bad line (file:line, skippable), not a decoder traceback
         for lineno, line in enumerate(fh, start=1):
             if not line.strip():
                 continue
             stats.lines += 1
             try:
                 try:
-                    record = json.loads(line)
+                    record = json.loads(line.decode("utf-8"))
+                except UnicodeDecodeError as exc:
+                    raise ChatFormatError("invalid UTF-8", f"not valid UTF-8 ({exc.reason})") from None
                 except json.JSONDecodeError as exc:
                     raise ChatFormatError("invalid JSON", f"not valid JSON ({exc.msg})") from None
                 messages, used = normalise(record, root, fmt)

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from loong.core.attention import CPGroups
@@ -190,11 +191,11 @@ def read_diffusers_folder(path: str | Path) -> tuple[dict[str, Any], dict[str, t
         hint = f"; this looks like a pipeline folder, pass {path / 'transformer'}" if (
             path / "transformer" / CONFIG_NAME).is_file() else ""
         raise LoongError(f"{path} has no {CONFIG_NAME} of a diffusers transformer{hint}")
-    config = json.loads((path / CONFIG_NAME).read_text())
+    config = _read_json(path / CONFIG_NAME)
     if (path / WEIGHTS_NAME).is_file():
         files = [path / WEIGHTS_NAME]
     elif (path / INDEX_NAME).is_file():
-        weight_map = json.loads((path / INDEX_NAME).read_text())["weight_map"]
+        weight_map = _read_json(path / INDEX_NAME).get("weight_map", {})
         files = [path / name for name in sorted(set(weight_map.values()))]
     else:
         pickles = sorted(p.name for p in path.iterdir() if p.suffix in (".bin", ".pt", ".pth", ".ckpt"))
@@ -203,8 +204,35 @@ def read_diffusers_folder(path: str | Path) -> tuple[dict[str, Any], dict[str, t
                             if pickles else ""))
     state: dict[str, torch.Tensor] = {}
     for file in files:
-        state.update(load_file(file))
+        try:
+            state.update(load_file(file))
+        except (SafetensorError, OSError) as exc:  # truncated, not safetensors, or a shard the index names is gone
+            raise LoongError(f"{file}: cannot read safetensors file ({exc})") from None
     return config, state
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        return json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise LoongError(f"{path}: not valid JSON ({exc})") from None
+
+
+def check_diffusers_weights(path: str | Path, config: WanConfig, weights: Mapping[str, torch.Tensor]) -> None:
+    """Raise LoongError naming the first diffusers tensor of the folder ``path`` that a Wan of ``config`` lacks, does
+    not have, or has in another shape, or that is not floating point (it would load as garbage weights)."""
+    with torch.device("meta"):
+        expected = to_diffusers(WanTransformer(config).state_dict())
+    missing, extra = sorted(set(expected) - set(weights)), sorted(set(weights) - set(expected))
+    if missing or extra:  # e.g. an I2V folder whose config lacks image_dim
+        raise LoongError(f"{path}: the weights do not match its {CONFIG_NAME} (missing {missing[:3]}, "
+                         f"unexpected {extra[:3]})")
+    for key, tensor in weights.items():
+        if tuple(tensor.shape) != tuple(expected[key].shape):
+            raise LoongError(f"{path}: {key} has shape {tuple(tensor.shape)}, its {CONFIG_NAME} implies "
+                             f"{tuple(expected[key].shape)}")
+        if not tensor.is_floating_point():
+            raise LoongError(f"{path}: {key} is {tensor.dtype}; model weights must be floating point")
 
 
 def load_diffusers(path: str | Path, groups: CPGroups | None = None, capabilities: Collection[str] = (), *,
@@ -218,6 +246,7 @@ def load_diffusers(path: str | Path, groups: CPGroups | None = None, capabilitie
     """
     raw_config, weights = read_diffusers_folder(path)
     config = config_from_diffusers(raw_config, **pipeline)
+    check_diffusers_weights(path, config, weights)
     with torch.device("meta"):
         model = WanTransformer(config, groups, capabilities)
     keep = dtype is not None and dtype.is_floating_point and torch.finfo(dtype).bits < 32
