@@ -166,8 +166,11 @@ def build_and_test(root: Path, package: str, work: Path) -> Path:
     test_tools = [r for r in root_config["dependency-groups"]["dev"] if Requirement(r).name != "ruff"]
     overrides = work / "overrides.txt"
     overrides.write_text("\n".join(root_config["tool"]["uv"].get("override-dependencies", [])) + "\n")
+    # the package with every extra it declares (loong-core's `megatron`: its megatron engine is tested too)
+    extras = sorted(read_project(root, package).get("optional-dependencies", {}))
+    released = f"{package}[{','.join(extras)}] @ {wheels[0].as_uri()}" if extras else str(wheels[0])
     run(["uv", "pip", "install", "--python", str(python), "-c", str(constraints), "--overrides", str(overrides),
-         *map(str, wheels), *test_tools], cwd=work, env=fresh_venv_env())
+         released, *map(str, wheels[1:]), *test_tools], cwd=work, env=fresh_venv_env())
     tests = work / "tests"
     shutil.copytree(package_dir(root, package) / "tests", tests)
     # From a folder outside the repo, so `loong` can only come from the installed wheels.

@@ -27,7 +27,7 @@ from loong.core.config.docs import main as docs_main
 from loong.core.errors import LoongError
 from loong.core.registry import RUN_CONFIGS
 
-DOCS = Path(__file__).resolve().parents[3] / "docs" / "configuration.md"
+DOCS = Path(__file__).resolve().parents[1] / "docs" / "configuration.md"
 #: numeric keys that may take any finite value
 UNBOUNDED = {"train.logit_mean"}
 

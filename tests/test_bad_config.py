@@ -1,6 +1,7 @@
 """The bad-config corpus: every CLI's ``train`` refuses a bad value with exit code 2, one ``error:`` line naming the
 dotted key, the value and what is allowed, no traceback, and nothing written (no output directory, nothing in the
-working directory).
+working directory). It drives every modality's CLI, hence the repository root (no package's own tests may need a
+sibling it does not depend on: each package's tests run against its wheel alone, scripts/release.py).
 
 The checks are the schemas' (``loong.core.config.schema``: the annotations' ``Check``/``Literal`` and the
 ``validate`` methods) and, for what needs the model, the tasks'. Each case runs the real CLI in-process
