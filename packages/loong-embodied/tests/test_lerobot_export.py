@@ -84,7 +84,9 @@ def _assert_same_loss_in_lerobot(folder: Path, loaded) -> None:
     from lerobot.policies.groot.modeling_groot import GrootPolicy
 
     assert os.environ.get("HF_HUB_OFFLINE") == "1"
-    theirs = GrootPolicy.from_pretrained(str(folder)).eval()
+    # the export names its groot_base/ relative to itself; lerobot resolves relative paths from the working directory
+    with contextlib.chdir(folder):
+        theirs = GrootPolicy.from_pretrained(".").eval()
     _, expected = groot_mapping.to_lerobot(loaded.config, loaded.policy.state_dict(), loaded.processor,
                                            base_model_path="unused")
     state = theirs.state_dict()

@@ -64,6 +64,10 @@ def _setup_convert(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ema", action="store_true",
                    help="write the checkpoint's moving averages of the weights (train.ema_decay) instead of the "
                         "weights (Loong -> lerobot)")
+    p.add_argument("--dataset-index", default=None, metavar="N|NAME",
+                   help="a policy trained on a mix of datasets: the dataset (its index in data.repo_root, its folder "
+                        "or folder name) whose normalisation statistics and embodiment the lerobot folder carries "
+                        "(default: 0, the first; Loong -> lerobot)")
 
 
 def _run_convert(args: argparse.Namespace) -> int:
@@ -78,7 +82,8 @@ def _run_convert(args: argparse.Namespace) -> int:
     from loong.embodied.lerobot_io import export_lerobot
 
     loaded = load_policy(src, ema=args.ema, device="cpu", dtype="fp32")
-    out = export_lerobot(loaded.name, loaded.config, loaded.policy.state_dict(), loaded.processor, dst)
+    out = export_lerobot(loaded.name, loaded.config, loaded.policy.state_dict(), loaded.processor, dst,
+                         source=args.dataset_index)
     weights = "moving averages of the weights" if args.ema else "weights"
     print(f"wrote {out}: lerobot {loaded.name} policy ({weights} of {loaded.step_dir}); load it with lerobot's "
           "from_pretrained", file=sys.stderr)

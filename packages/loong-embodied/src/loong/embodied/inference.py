@@ -215,9 +215,9 @@ def expected_cameras(processor: PolicyProcessor) -> list[str] | None:
     return None if keys is None else list(keys)
 
 
-def resolve_source(processor: Any, source: int | str | None) -> int:
+def resolve_source(processor: Any, source: int | str | None, what: str = "source") -> int:
     """The dataset index that ``source`` names in a mix-trained processor's sources (an index, a dataset folder
-    or its name; None: 0, the first dataset)."""
+    or its name; None: 0, the first dataset); ``what`` names the option in errors."""
     sources = getattr(processor, "sources", None) or []
     if source is None:
         return 0
@@ -225,14 +225,14 @@ def resolve_source(processor: Any, source: int | str | None) -> int:
     if isinstance(source, int) or (isinstance(source, str) and source.isdigit()):
         index = int(source)
         if not 0 <= index < n:
-            raise LoongError(f"source: {index} is not one of the policy's {n} dataset(s) (0..{n - 1})")
+            raise LoongError(f"{what}: {index} is not one of the policy's {n} dataset(s) (0..{n - 1})")
         return index
     for i, record in enumerate(sources):
         if source in (record.get("root"), record.get("name")) or (
                 record.get("root") and Path(str(source)).expanduser().resolve() == Path(record["root"])):
             return i
     known = ", ".join(f"{i}: {r.get('name')}" for i, r in enumerate(sources)) or "one dataset, no names recorded"
-    raise LoongError(f"source: {source!r} names none of the policy's datasets ({known})")
+    raise LoongError(f"{what}: {source!r} names none of the policy's datasets ({known})")
 
 
 class PolicyRunner:

@@ -8,12 +8,23 @@ stateful step (the normaliser's statistics). Everything policy-specific comes fr
 ``LEROBOT_TYPE`` and optionally ``fix_checkpoint`` (the key fixes lerobot's own ``from_pretrained`` applies) and
 ``export_options(config, state_dict, dst)`` (files an export needs besides lerobot's, written into ``dst``, and the
 ``to_lerobot`` options naming them: GR00T N1.7's base checkpoint).
+
+A policy trained on a mix of datasets (``data.repo_root`` a list) normalises each sample with its own dataset's
+statistics and, for GR00T, routes it to its dataset's embodiment; a lerobot policy folder holds one set of
+statistics and one embodiment (lerobot 0.6.1's normaliser and GR00T pack step each carry a single ``stats``
+and ``embodiment_tag``), so an export is for one dataset of the mix: ``source`` (``convert --dataset-index``;
+default: the first), logged with the choices. ``to_lerobot`` and ``lerobot_processors`` take it as ``source``.
+
+Exported folders hold no absolute paths: files an export writes inside itself (GR00T's ``groot_base/``) are named
+relative to the folder (``./groot_base``), so the folder can be moved or copied whole.
 """
 
 from __future__ import annotations
 
 import importlib
+import inspect
 import json
+import logging
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -30,6 +41,8 @@ PREPROCESSOR_FILE = "policy_preprocessor.json"
 POSTPROCESSOR_FILE = "policy_postprocessor.json"
 NORMALIZER_STEP = "normalizer_processor"
 
+logger = logging.getLogger(__name__)
+
 
 def mapping_of(policy_name: str) -> ModuleType:
     """The LeRobot mapping module of the registered policy ``policy_name``."""
@@ -39,22 +52,49 @@ def mapping_of(policy_name: str) -> ModuleType:
     return importlib.import_module(spec.lerobot)
 
 
+def _export_source(processor: PolicyProcessor, source: int | str | None) -> int:
+    """The dataset index of a mix-trained ``processor`` an export is for (``source``: an index, a dataset folder
+    or its name; None: 0), with a log line naming the choices; 0 for a policy of one dataset."""
+    from loong.embodied.inference import resolve_source
+
+    index = resolve_source(processor, source, what="--dataset-index")
+    sources = getattr(processor, "sources", None) or []
+    if len(sources) > 1:
+        choices = ", ".join(f"{i}: {r.get('name')} (embodiment {r.get('embodiment_id')})"
+                            for i, r in enumerate(sources))
+        logger.warning("lerobot export: the policy was trained on %d datasets (%s); a lerobot folder holds one "
+                       "dataset's statistics and embodiment, so this one is for dataset %d (%s); choose another "
+                       "with `loong-embodied convert RUN DST --dataset-index N`", len(sources), choices, index,
+                       sources[index].get("name"))
+    return index
+
+
+def _with_source(fn: Any, index: int) -> dict[str, Any]:
+    """``{"source": index}`` for a mapping function that takes it (every shipped mapping does)."""
+    return {"source": index} if "source" in inspect.signature(fn).parameters else {}
+
+
 def export_lerobot(policy_name: str, config: PolicyConfig, state_dict: dict[str, torch.Tensor],
-                   processor: PolicyProcessor, dst: str | Path, **mapping_options: Any) -> Path:
+                   processor: PolicyProcessor, dst: str | Path, *, source: int | str | None = None,
+                   **mapping_options: Any) -> Path:
     """Write ``dst``, a folder lerobot's ``<Policy>.from_pretrained(dst)`` and ``make_pre_post_processors(config,
     pretrained_path=dst)`` load, from a Loong policy's config, state dict (full, on the host) and processor.
-    ``mapping_options`` go to the mapping's ``to_lerobot`` (over the mapping's ``export_options``). Returns ``dst``."""
+    ``source``: for a policy trained on a mix, the dataset (index, folder or name; default: the first) whose
+    statistics and embodiment the folder carries. ``mapping_options`` go to the mapping's ``to_lerobot`` (over
+    the mapping's ``export_options``). Returns ``dst``."""
     from huggingface_hub import save_torch_state_dict
 
     mapping = mapping_of(policy_name)
     dst = Path(dst)
+    index = _export_source(processor, source)
+    to_options = _with_source(mapping.to_lerobot, index)
     # the conversion first (it refuses what lerobot cannot hold), with the mapping's options checked unwritten
     extra = getattr(mapping, "export_options", None)
-    mapping.to_lerobot(config, {k: v.to("meta") for k, v in state_dict.items()}, processor,
+    mapping.to_lerobot(config, {k: v.to("meta") for k, v in state_dict.items()}, processor, **to_options,
                        **{**(extra(config, state_dict, None) if extra else {}), **mapping_options})
     dst.mkdir(parents=True, exist_ok=True)
     options = {**(extra(config, state_dict, dst) if extra else {}), **mapping_options}
-    lerobot_config, lerobot_state = mapping.to_lerobot(config, state_dict, processor, **options)
+    lerobot_config, lerobot_state = mapping.to_lerobot(config, state_dict, processor, **to_options, **options)
     lerobot_config._save_pretrained(dst)
     # tied weights as lerobot's save_pretrained writes them: the copy its from_pretrained re-ties stays out
     tied = set(getattr(mapping, "TIED_IN_FILE", ()))
@@ -62,7 +102,8 @@ def export_lerobot(policy_name: str, config: PolicyConfig, state_dict: dict[str,
     total = sum(t.numel() * t.element_size() for t in tensors.values())
     # as lerobot's PreTrainedPolicy._save_pretrained writes a gathered state dict: one model.safetensors
     save_torch_state_dict(tensors, str(dst), max_shard_size=max(total, 1))
-    pre, post = mapping.lerobot_processors(lerobot_config, processor)
+    pre, post = mapping.lerobot_processors(lerobot_config, processor,
+                                           **_with_source(mapping.lerobot_processors, index))
     pre.save_pretrained(dst)
     post.save_pretrained(dst)
     return dst
@@ -120,6 +161,7 @@ def import_lerobot(src: str | Path, **overrides: Any
     mapping's ``from_lerobot`` (config fields, e.g. ``tokenizer``)."""
     import lerobot.policies  # noqa: F401  (registers every lerobot policy config type, e.g. "groot", with draccus)
     from lerobot.configs import PreTrainedConfig
+    from safetensors import SafetensorError
     from safetensors.torch import load_file
 
     src = Path(src).expanduser()
@@ -133,10 +175,15 @@ def import_lerobot(src: str | Path, **overrides: Any
     policy_name = _policy_for_type(str(lerobot_type), src)
     mapping = mapping_of(policy_name)
     lerobot_config = PreTrainedConfig.from_pretrained(str(src), local_files_only=True)
-    state = load_file(str(src / WEIGHTS_FILE))
+    try:
+        state = load_file(str(src / WEIGHTS_FILE))
+    except (SafetensorError, OSError) as exc:  # truncated or not safetensors: one line, not a traceback
+        raise LoongError(f"{src / WEIGHTS_FILE}: cannot read safetensors file ({exc})") from None
     fix = getattr(mapping, "fix_checkpoint", None)
     if fix is not None:
         state = fix(state)
+    if "folder" in inspect.signature(mapping.from_lerobot).parameters:  # paths in the folder are relative to it
+        overrides = {"folder": src, **overrides}
     config, state_dict = mapping.from_lerobot(lerobot_config, state, **overrides)
     return policy_name, config, state_dict, read_lerobot_stats(src)
 

@@ -15,8 +15,14 @@ the network's shape lives in the raw GR00T base checkpoint it names (``base_mode
 copy). :func:`write_lerobot_base` writes such a base checkpoint for a Loong config, since lerobot's
 ``GrootPolicy`` always builds itself from one; :func:`export_options` has ``export_lerobot`` write it inside the
 export (``<export>/groot_base/``, with the backbone's config in ``groot_base/backbone/``) for a non-published
-backbone, so that the folder loads offline. Those paths are written absolute (lerobot resolves them as given):
-a moved export needs ``base_model_path`` in its ``config.json`` (and ``model_name`` in the base's) edited.
+backbone, so that the folder loads offline. Those paths are written relative to the export folder
+(``./groot_base``, ``./groot_base/backbone``), so the folder can be moved whole: Loong's import resolves them
+against the folder; lerobot 0.6.1 resolves them from the current directory, so lerobot loads such an export with
+the export folder as its working directory (a published-shape export names only hub ids and loads from anywhere).
+
+A mix-trained policy exports one dataset's min/max statistics and embodiment (``source``; lerobot's GR00T pack
+step holds one ``embodiment_tag``): the tag whose id is that dataset's ``data.embodiment_ids`` entry, or, for an
+id no lerobot tag names, ``loong_embodiment_<id>`` added to the pack step's ``embodiment_mapping``.
 """
 
 from __future__ import annotations
@@ -37,6 +43,10 @@ COSMOS_REASON2 = "nvidia/Cosmos-Reason2-2B"
 GROOT_N1_7_BASE = "nvidia/GR00T-N1.7-3B"
 #: the folder inside an export that holds the base checkpoint of a non-published backbone
 EXPORT_BASE_DIR = "groot_base"
+#: how an export names it: "./" keeps huggingface_hub from taking it for a hub repo id
+EXPORT_BASE_PATH = f"./{EXPORT_BASE_DIR}"
+#: the tag of an embodiment id that no lerobot tag names
+CUSTOM_TAG = "loong_embodiment_{}"
 
 #: (Loong prefix, lerobot prefix), longest first
 PREFIXES: tuple[tuple[str, str], ...] = (
@@ -112,8 +122,16 @@ def lerobot_model_config(config: GrootN17Config, model_name: str) -> dict[str, A
     return out
 
 
-def config_from_lerobot_model(model_config: Mapping[str, Any], **policy: Any) -> GrootN17Config:
-    """A Loong config from a ``GR00TN17Config`` (dict or object) plus Loong policy-level fields ``policy``."""
+def _local(path: str, folder: Path | None) -> Path:
+    """``path`` (a local folder named in an export) resolved against ``folder`` when relative."""
+    p = Path(path).expanduser()
+    return folder / p if folder is not None and not p.is_absolute() else p
+
+
+def config_from_lerobot_model(model_config: Mapping[str, Any], *, folder: Path | None = None,
+                              **policy: Any) -> GrootN17Config:
+    """A Loong config from a ``GR00TN17Config`` (dict or object) plus Loong policy-level fields ``policy``;
+    ``folder``: what a relative backbone ``model_name`` is relative to (the export folder)."""
     get = (model_config.get if isinstance(model_config, Mapping)
            else lambda k, d=None: getattr(model_config, k, d))
     fields: dict[str, Any] = {}
@@ -129,7 +147,7 @@ def config_from_lerobot_model(model_config: Mapping[str, Any], **policy: Any) ->
         fields["vl_self_attention_layers"] = 0
     model_name = str(get("model_name") or COSMOS_REASON2)
     if model_name.rstrip("/") != COSMOS_REASON2:
-        path = Path(model_name) / "config.json"
+        path = _local(model_name, folder) / "config.json"
         if not path.is_file():
             raise LoongError(f"lerobot -> groot_n1_7: backbone model_name {model_name!r} is not a local folder "
                              "with config.json (only nvidia/Cosmos-Reason2-2B is known without one)")
@@ -141,11 +159,13 @@ def config_from_lerobot_model(model_config: Mapping[str, Any], **policy: Any) ->
 
 def from_lerobot(lerobot_config: Any, lerobot_state_dict: Mapping[str, torch.Tensor], *,
                  model_config: Mapping[str, Any] | Any | None = None,
-                 processor: str | None = None) -> tuple[GrootN17Config, dict[str, torch.Tensor]]:
+                 processor: str | None = None,
+                 folder: Path | None = None) -> tuple[GrootN17Config, dict[str, torch.Tensor]]:
     """``(config, state_dict)`` of a lerobot ``GrootPolicy``: its ``GrootConfig``, its state dict, and the
-    network's ``GR00TN17Config`` (``model_config``; default: read from ``base_model_path/config.json``)."""
+    network's ``GR00TN17Config`` (``model_config``; default: read from ``base_model_path/config.json``).
+    ``folder``: the policy folder, which relative paths in it (an export's ``./groot_base``) are relative to."""
     if model_config is None:
-        path = base_config_file(str(lerobot_config.base_model_path))
+        path = base_config_file(str(lerobot_config.base_model_path), folder)
         model_config = json.loads(path.read_text())
     # the network's shape (horizon, max dims) is the base checkpoint's; GrootConfig adds the policy knobs
     policy = {ours: getattr(lerobot_config, theirs) for ours, theirs in POLICY_FIELDS.items()
@@ -157,7 +177,7 @@ def from_lerobot(lerobot_config: Any, lerobot_state_dict: Mapping[str, torch.Ten
                else getattr(model_config, "action_horizon", None)) or 40
     policy["n_action_steps"] = min(int(policy.get("n_action_steps", horizon)), int(horizon))
     policy["processor"] = processor
-    config = config_from_lerobot_model(model_config, **policy)
+    config = config_from_lerobot_model(model_config, folder=folder, **policy)
     state: dict[str, torch.Tensor] = {}
     for name, value in lerobot_state_dict.items():
         ours = from_lerobot_key(name)
@@ -166,10 +186,11 @@ def from_lerobot(lerobot_config: Any, lerobot_state_dict: Mapping[str, torch.Ten
     return config, state
 
 
-def base_config_file(base_model_path: str) -> Path:
-    """The ``config.json`` of the GR00T base checkpoint ``base_model_path``: a local folder, else the Hugging Face
-    cache's copy of that repository (never downloaded)."""
-    path = Path(base_model_path).expanduser() / "config.json"
+def base_config_file(base_model_path: str, folder: Path | None = None) -> Path:
+    """The ``config.json`` of the GR00T base checkpoint ``base_model_path``: a local folder (relative to
+    ``folder`` when relative and ``folder`` is given), else the Hugging Face cache's copy of that repository
+    (never downloaded)."""
+    path = _local(base_model_path, folder) / "config.json"
     if path.is_file():
         return path
     from huggingface_hub import try_to_load_from_cache
@@ -190,18 +211,36 @@ def export_options(config: GrootN17Config, state_dict: Mapping[str, torch.Tensor
     if config.backbone is None:
         return {}
     if dst is None:
-        return {"base_model_path": EXPORT_BASE_DIR}
-    base = write_lerobot_base(config, state_dict, Path(dst) / EXPORT_BASE_DIR)
-    return {"base_model_path": str(base.resolve())}
+        return {"base_model_path": EXPORT_BASE_PATH}
+    # paths relative to the export, so the folder stays whole when moved (see the module docstring)
+    write_lerobot_base(config, state_dict, Path(dst) / EXPORT_BASE_DIR, model_name=f"{EXPORT_BASE_PATH}/backbone")
+    return {"base_model_path": EXPORT_BASE_PATH}
+
+
+def source_embodiment(config: GrootN17Config, processor: Any, source: int = 0) -> tuple[str, int]:
+    """``(embodiment_tag, embodiment_id)`` of ``processor``'s dataset ``source`` as lerobot names it: the
+    config's tag for a policy of one dataset (or a source of the config's id), else the lerobot tag of the
+    source's id, else :data:`CUSTOM_TAG`."""
+    sources = getattr(processor, "sources", None) if processor is not None else None
+    if not sources:
+        return config.embodiment_tag, config.embodiment_id
+    if not 0 <= source < len(sources):
+        raise LoongError(f"groot_n1_7 -> lerobot: dataset index {source} is not one of the policy's "
+                         f"{len(sources)} datasets")
+    eid = int(sources[source]["embodiment_id"])
+    if eid == config.embodiment_id:
+        return config.embodiment_tag, eid
+    return next((tag for tag, i in EMBODIMENT_IDS.items() if i == eid), CUSTOM_TAG.format(eid)), eid
 
 
 def to_lerobot(config: GrootN17Config, state_dict: Mapping[str, torch.Tensor], processor: Any = None, *,
-               base_model_path: str | None = None) -> tuple[Any, dict[str, torch.Tensor]]:
+               base_model_path: str | None = None, source: int = 0) -> tuple[Any, dict[str, torch.Tensor]]:
     """``(GrootConfig, state_dict)`` for lerobot's ``GrootPolicy``.
 
     ``base_model_path``: the raw GR00T base checkpoint lerobot builds the policy from (default: nvidia's
     GR00T-N1.7-3B, only right for the published shape; :func:`write_lerobot_base` writes one for any config).
-    ``processor`` (a :class:`~.processor.GrootN17Processor`): gives the camera, state and action features.
+    ``processor`` (a :class:`~.processor.GrootN17Processor`): gives the camera, state and action features;
+    ``source``: for a mix-trained processor, the dataset whose embodiment the config names.
     """
     from lerobot.configs import FeatureType, PolicyFeature
     from lerobot.policies.groot.configuration_groot import GrootConfig
@@ -220,9 +259,11 @@ def to_lerobot(config: GrootN17Config, state_dict: Mapping[str, torch.Tensor], p
         kwargs["input_features"] = inputs
         kwargs["output_features"] = {processor.action_key: PolicyFeature(type=FeatureType.ACTION,
                                                                           shape=(processor.action_dim,))}
+    tag, _ = source_embodiment(config, processor, source)
+    kwargs["embodiment_tag"] = tag
     lerobot_config = GrootConfig(**kwargs)
     for ours, theirs in POLICY_FIELDS.items():  # GrootConfig silently remaps "N1.5 defaults": refuse those
-        if getattr(lerobot_config, theirs) != getattr(config, ours):
+        if ours != "embodiment_tag" and getattr(lerobot_config, theirs) != getattr(config, ours):
             raise LoongError(f"groot_n1_7 -> lerobot: lerobot's GrootConfig changes {theirs}={getattr(config, ours)}"
                              f" to {getattr(lerobot_config, theirs)} (a GR00T N1.5 default); pick another value")
     out = {to_lerobot_key(k): v for k, v in state_dict.items()}
@@ -244,41 +285,57 @@ def fix_checkpoint(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return state
 
 
-def lerobot_dataset_stats(processor: Any) -> dict[str, dict[str, torch.Tensor]]:
-    """The min/max statistics in the form lerobot's ``make_groot_pre_post_processors(dataset_stats=...)`` takes."""
-    return {k: {n: v.clone() for n, v in s.items()} for k, s in processor.stats.items()}
+def lerobot_dataset_stats(processor: Any, source: int = 0) -> dict[str, dict[str, torch.Tensor]]:
+    """The min/max statistics of dataset ``source`` (0 for a policy of one dataset) in the form lerobot's
+    ``make_groot_pre_post_processors(dataset_stats=...)`` takes."""
+    stats = processor.source_stats[source] if source else processor.stats
+    return {k: {n: v.clone() for n, v in s.items()} for k, s in stats.items()}
 
 
-def lerobot_processors(lerobot_config: Any, processor: Any) -> tuple[Any, Any]:
-    """lerobot's GR00T N1.7 pre/post-processor pipelines (``make_groot_pre_post_processors``) with
-    ``processor``'s min/max statistics. lerobot's VLM-encode step names the hard-coded
-    ``nvidia/Cosmos-Reason2-2B`` processor (saved pipelines load it from the HF cache); in this process it is
-    handed ``processor``'s own Qwen3-VL processor."""
-    from lerobot.policies.groot.processor_groot import GrootN17VLMEncodeStep, make_groot_pre_post_processors
+def lerobot_processors(lerobot_config: Any, processor: Any, source: int = 0) -> tuple[Any, Any]:
+    """lerobot's GR00T N1.7 pre/post-processor pipelines (``make_groot_pre_post_processors``) with the min/max
+    statistics and embodiment of ``processor``'s dataset ``source``. lerobot's VLM-encode step names the
+    hard-coded ``nvidia/Cosmos-Reason2-2B`` processor (saved pipelines load it from the HF cache); in this
+    process it is handed ``processor``'s own Qwen3-VL processor."""
+    from lerobot.policies.groot.processor_groot import (
+        GrootN17PackInputsStep,
+        GrootN17VLMEncodeStep,
+        make_groot_pre_post_processors,
+    )
 
-    pre, post = make_groot_pre_post_processors(lerobot_config, dataset_stats=lerobot_dataset_stats(processor))
+    if not 0 <= source < len(processor.source_stats):
+        raise LoongError(f"groot_n1_7 -> lerobot: dataset index {source} is not one of the policy's "
+                         f"{len(processor.source_stats)} datasets")
+    pre, post = make_groot_pre_post_processors(lerobot_config,
+                                               dataset_stats=lerobot_dataset_stats(processor, source))
+    _, eid = source_embodiment(processor.config, processor, source)
     for step in pre.steps:
         if isinstance(step, GrootN17VLMEncodeStep):
             step._proc = processor.vlm
+        if isinstance(step, GrootN17PackInputsStep):  # the embodiment id the tag stands for (a custom tag too)
+            step.embodiment_tag = lerobot_config.embodiment_tag
+            step.embodiment_mapping = {**step.embodiment_mapping, lerobot_config.embodiment_tag: eid}
     return pre, post
 
 
-def write_lerobot_base(config: GrootN17Config, state_dict: Mapping[str, torch.Tensor], directory: str | Path) -> Path:
+def write_lerobot_base(config: GrootN17Config, state_dict: Mapping[str, torch.Tensor], directory: str | Path, *,
+                       model_name: str | None = None) -> Path:
     """Write a raw GR00T N1.7 base checkpoint (``config.json`` + ``model.safetensors`` of ``GR00TN17``) with
     these weights into ``directory`` (and, for a non-published backbone, its Qwen3-VL ``config.json`` into
-    ``directory/backbone``); the path is what :func:`to_lerobot`'s ``base_model_path`` names."""
+    ``directory/backbone``); the path is what :func:`to_lerobot`'s ``base_model_path`` names. ``model_name``: how
+    the base's config names that backbone folder (default: its absolute path)."""
     from safetensors.torch import save_file
 
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    model_name = COSMOS_REASON2
+    backbone_name = COSMOS_REASON2
     if config.backbone is not None:
         from transformers import Qwen3VLConfig
 
         backbone_dir = directory / "backbone"
         Qwen3VLConfig(**config.backbone).save_pretrained(str(backbone_dir))
-        model_name = str(backbone_dir.resolve())
-    model_config = lerobot_model_config(config, model_name)
+        backbone_name = model_name or str(backbone_dir.resolve())
+    model_config = lerobot_model_config(config, backbone_name)
     model_config.update(model_type="Gr00tN1d7", architectures=["GR00TN17"])
     (directory / "config.json").write_text(json.dumps(model_config, indent=2))
     prefix = "_groot_model."
@@ -290,6 +347,6 @@ def write_lerobot_base(config: GrootN17Config, state_dict: Mapping[str, torch.Te
     return directory
 
 
-__all__ = ["EXPORT_BASE_DIR", "LEROBOT_TYPE", "TIED_IN_FILE", "fix_checkpoint", "PREFIXES", "base_config_file", "export_options", "from_lerobot", "from_lerobot_key", "from_lerobot_name", "lerobot_dataset_stats",
+__all__ = ["CUSTOM_TAG", "EXPORT_BASE_DIR", "EXPORT_BASE_PATH", "LEROBOT_TYPE", "source_embodiment", "TIED_IN_FILE", "fix_checkpoint", "PREFIXES", "base_config_file", "export_options", "from_lerobot", "from_lerobot_key", "from_lerobot_name", "lerobot_dataset_stats",
            "lerobot_model_config", "lerobot_processors", "to_lerobot", "to_lerobot_key", "to_lerobot_name",
            "write_lerobot_base"]

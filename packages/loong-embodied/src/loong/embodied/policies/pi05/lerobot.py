@@ -216,8 +216,9 @@ def from_lerobot(lerobot_config: Any, lerobot_state_dict: Mapping[str, torch.Ten
     return Pi05Config(**fields), state_dict
 
 
-def lerobot_processors(lerobot_config: Any, processor: Pi05Processor) -> tuple[Any, Any]:
-    """lerobot's Pi0.5 pre/post-processor pipelines with ``processor``'s statistics and tokenizer, step for step as
+def lerobot_processors(lerobot_config: Any, processor: Pi05Processor, source: int = 0) -> tuple[Any, Any]:
+    """lerobot's Pi0.5 pre/post-processor pipelines with ``processor``'s statistics (of dataset ``source`` for a
+    mix-trained processor: lerobot's normaliser holds one dataset's) and tokenizer, step for step as
     ``make_pi05_pre_post_processors`` builds them. The tokenizer step records lerobot's hard-coded tokenizer id,
     so the saved pipeline loads as lerobot's own does."""
     from lerobot.policies.pi05.processor_pi05 import Pi05PrepareStateTokenizerProcessorStep
@@ -232,7 +233,10 @@ def lerobot_processors(lerobot_config: Any, processor: Pi05Processor) -> tuple[A
     from loong.embodied.policies.pi05.config import PALIGEMMA_TOKENIZER
 
     c = lerobot_config
-    steps = make_default_policy_processor_steps(c, processor.normalizer.stats)
+    if not 0 <= source < len(processor.normalizers):
+        raise LoongError(f"pi05 -> lerobot: dataset index {source} is not one of the policy's "
+                         f"{len(processor.normalizers)} datasets")
+    steps = make_default_policy_processor_steps(c, processor.normalizers[source].stats)
     relative = RelativeActionsProcessorStep(enabled=c.use_relative_actions, exclude_joints=c.relative_exclude_joints,
                                             action_names=c.action_feature_names)
     tokenize = TokenizerProcessorStep(tokenizer=processor.tokenizer, max_length=c.tokenizer_max_length,
