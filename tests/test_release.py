@@ -124,14 +124,16 @@ def test_unknown_package_is_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 @pytest.mark.slow
-def test_dry_run_of_loong_kernels_leaves_the_tree_unchanged() -> None:
+def test_dry_run_of_loong_xpu_leaves_the_tree_unchanged() -> None:
+    # loong-xpu: the smallest package's tests (about 20 s) with a sibling wheel to build (loong-core); each package's
+    # own dry run is in issue 24's closing note (docs/releasing.md)
     # The files a release edits, by content: the rest of a shared working tree may change meanwhile.
-    edited = [REPO_ROOT / "packages/loong-kernels" / name for name in ("pyproject.toml", "CHANGELOG.md")]
+    edited = [REPO_ROOT / "packages/loong-xpu" / name for name in ("pyproject.toml", "CHANGELOG.md")]
     before = [p.read_bytes() for p in edited]
     tags = subprocess.run(["git", "tag"], cwd=REPO_ROOT, text=True, capture_output=True).stdout
     head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO_ROOT, text=True, capture_output=True).stdout
-    new = release.release("loong-kernels", "patch", dry_run=True)
-    assert new == release.bumped_version(release.read_project(REPO_ROOT, "loong-kernels")["version"], "patch")
+    new = release.release("loong-xpu", "patch", dry_run=True)
+    assert new == release.bumped_version(release.read_project(REPO_ROOT, "loong-xpu")["version"], "patch")
     assert [p.read_bytes() for p in edited] == before
     assert subprocess.run(["git", "tag"], cwd=REPO_ROOT, text=True, capture_output=True).stdout == tags
     assert subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO_ROOT, text=True, capture_output=True).stdout == head
