@@ -166,8 +166,10 @@ def build_and_test(root: Path, package: str, work: Path) -> Path:
     test_tools = [r for r in root_config["dependency-groups"]["dev"] if Requirement(r).name != "ruff"]
     overrides = work / "overrides.txt"
     overrides.write_text("\n".join(root_config["tool"]["uv"].get("override-dependencies", [])) + "\n")
-    # the package with every extra it declares (loong-core's `megatron`: its megatron engine is tested too)
-    extras = sorted(read_project(root, package).get("optional-dependencies", {}))
+    # the package with the extras its siblings ask of it (loong-core's `megatron`, which loong-llm requires: the
+    # megatron engine is the core's and is tested with it; `flash`, which nothing requires, needs a CUDA build)
+    extras = sorted({extra for name in workspace_packages(root) for spec in read_project(root, name).get(
+        "dependencies", []) if (req := Requirement(spec)).name == package for extra in req.extras})
     released = f"{package}[{','.join(extras)}] @ {wheels[0].as_uri()}" if extras else str(wheels[0])
     run(["uv", "pip", "install", "--python", str(python), "-c", str(constraints), "--overrides", str(overrides),
          released, *map(str, wheels[1:]), *test_tools], cwd=work, env=fresh_venv_env())
