@@ -143,3 +143,200 @@ def test_convert_missing_source(cli, tmp_path: Path) -> None:
     msg = cli("convert", str(tmp_path / "nothing"), str(dst), train=False)
     assert "does not exist" in msg
     assert not dst.exists()
+
+
+# --- the corpus of issue 25: data files, tokenizer folders, HF folders, checkpoints, every verb ------------------
+def _rewrite_hf(src: Path, dst: Path, config: dict | None = None, edit=None) -> Path:  # noqa: ANN001
+    """A copy of the HF folder ``src`` with ``config`` merged into config.json and ``edit(tensors)`` applied."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst)
+    if config is not None:
+        cfg = json.loads((src / "config.json").read_text())
+        (dst / "config.json").write_text(json.dumps({**cfg, **config}))
+    if edit is not None:
+        tensors = load_file(src / "model.safetensors")
+        edit(tensors)
+        save_file(tensors, dst / "model.safetensors")
+    return dst
+
+
+@pytest.fixture(scope="module")
+def corpus(tiny_llama_hf: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """The bad inputs of every kind, built once: data files, tokenizer folders, HF folders, checkpoints, plus a
+    good preprocess output and a good HF export (what a failed run must leave byte for byte)."""
+    import json
+    import shutil
+
+    import torch
+
+    d = tmp_path_factory.mktemp("corpus")
+    good = '{"text": "a fine document"}\n'
+    (d / "binary.txt").write_bytes(b"\x89PNG\r\n\x1a\n" + bytes(range(256)) * 8)  # a PNG header
+    (d / "latin1.jsonl").write_bytes((good + '{"text": "caf\u00e9 cr\u00e8me"}\n').encode("latin-1"))
+    (d / "utf16.txt").write_bytes("one document\nanother\n".encode("utf-16"))
+    (d / "truncated.jsonl").write_text(good * 2 + '{"text": "cut off in the mid')
+    (d / "huge.jsonl").write_text(good + '{"text": "' + "x" * 2_000_000 + "\n")  # a 2 MB line, unterminated
+    (d / "nofield.jsonl").write_text(good + '{"body": "the text is under another key"}\n')
+    (d / "good.jsonl").write_text(good * 20)
+    (d / "tok_empty").mkdir()
+    (d / "tok_corrupt").mkdir()
+    (d / "tok_corrupt" / "tokenizer.json").write_text('{"version": "1.0", "model": {"type": "BPE", "vocab": ')
+    (d / "tok_corrupt" / "tokenizer_config.json").write_text('{"tokenizer_class": "PreTrainedTokenizerFast"}')
+    hf = tiny_llama_hf
+    _rewrite_hf(hf, d / "hf_broken_config").joinpath("config.json").write_text('{"architectures": ["Llama')
+    _rewrite_hf(hf, d / "hf_missing", edit=lambda t: t.pop("model.layers.2.mlp.up_proj.weight"))
+    _rewrite_hf(hf, d / "hf_shape", edit=lambda t: t.update(
+        {"model.layers.1.self_attn.o_proj.weight": torch.zeros(64, 32)}))
+    _rewrite_hf(hf, d / "hf_extra", edit=lambda t: t.update({"model.layers.0.self_attn.q_proj.bias": torch.zeros(64)}))
+    _rewrite_hf(hf, d / "hf_dtype", edit=lambda t: t.update(
+        {"model.norm.weight": torch.ones(64, dtype=torch.int32)}))
+    _rewrite_hf(hf, d / "hf_mismatch", config={"intermediate_size": 256})  # the weights are 128 wide
+    # a Loong checkpoint (HF -> Loong) and its broken copies
+    assert main(["convert", str(hf), str(d / "ckpt")]) == 0
+    step = d / "ckpt" / "checkpoints" / "step_00000000"
+    shutil.copytree(d / "ckpt", d / "ckpt_truncated")
+    shard = max((p for p in (d / "ckpt_truncated" / "checkpoints" / step.name).rglob("*") if p.is_file()),
+                key=lambda p: p.stat().st_size)
+    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
+    shutil.copytree(d / "ckpt", d / "ckpt_newer")
+    manifest = d / "ckpt_newer" / "checkpoints" / step.name / "manifest.json"
+    manifest.write_text(json.dumps({**json.loads(manifest.read_text()), "format": 99}))
+    # a checkpoint of another modality: a diffusion run's config, written by the core's manager
+    from loong.core.checkpoint import CheckpointManager
+
+    class OneTensor:
+        def save(self, directory: Path) -> None:
+            (directory / "weights.pt").write_bytes(b"\0" * 64)
+
+    CheckpointManager(d / "foreign" / "checkpoints").save(
+        0, OneTensor(), {"step": 0, "weights_only": True},
+        {"task": "diffusion", "engine": "fsdp", "model": {"preset": "tiny", "patch_size": [1, 2, 2]}})
+    assert main(["convert", str(d / "ckpt"), str(d / "hf_good")]) == 0
+    assert main(["preprocess", str(d / "good.jsonl"), "--output-prefix", str(d / "pre" / "p"), "--workers", "1",
+                 "--no-progress"]) == 0
+    return d
+
+
+def _snapshot(folder: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+PREPROCESS_CASES = [  # (input file, extra args, what the line must hold; "{f}": the input's path)
+    ("binary.txt", [], "{f}:1: not valid UTF-8"),
+    ("latin1.jsonl", [], "{f}:2: not valid UTF-8"),
+    ("utf16.txt", [], "{f}:1: not valid UTF-8"),
+    ("truncated.jsonl", [], "{f}:3: not valid JSON"),
+    ("huge.jsonl", [], "{f}:2: not valid JSON"),
+    ("nofield.jsonl", [], "{f}:2: no 'text' field (found ['body']); set --text-field"),
+    ("good.jsonl", ["--tokenizer", "{d}/tok_empty"], "cannot load a tokenizer from {d}/tok_empty: no tokenizer files"),
+    ("good.jsonl", ["--tokenizer", "{d}/tok_corrupt"], "cannot load a tokenizer from {d}/tok_corrupt"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("name,extra,expected", PREPROCESS_CASES, ids=[f"{n}{' '.join(e)}" for n, e, _ in
+                                                                        PREPROCESS_CASES])
+def test_preprocess_bad_input(cli, corpus: Path, name: str, extra: list[str], expected: str) -> None:
+    before = _snapshot(corpus / "pre")
+    f = corpus / name
+    args = [a.format(d=corpus) for a in extra]
+    msg = cli("preprocess", str(f), "--output-prefix", str(corpus / "pre" / "p"), "--workers", "1", "--no-progress",
+              *args, train=False)
+    assert expected.format(f=f, d=corpus) in msg and len(msg) < 400, msg
+    assert _snapshot(corpus / "pre") == before, "a failed preprocess must leave the earlier output as it was"
+
+
+def test_preprocess_skip_policy_counts_the_bad_lines(corpus: Path, tmp_path: Path,
+                                                     capsys: pytest.CaptureFixture) -> None:
+    """``--on-error skip``: the documented policy for malformed records; the good ones are written."""
+    rc = main(["preprocess", str(corpus / "nofield.jsonl"), str(corpus / "latin1.jsonl"), "--output-prefix",
+               str(tmp_path / "p"), "--workers", "1", "--no-progress", "--on-error", "skip"])
+    out = capsys.readouterr().out
+    assert rc == 0 and "documents: 2\n" in out and "skipped: 2 (0 empty, 2 invalid)" in out, out
+
+
+TRAIN_DATA_CASES = [  # (override, what the line must hold)
+    ("data.path={d}/latin1.jsonl", "{d}/latin1.jsonl:2: not valid UTF-8"),
+    ("data.path={d}/binary.txt", "{d}/binary.txt:1: not valid UTF-8"),
+    ("data.path={d}/truncated.jsonl", "{d}/truncated.jsonl:3: not valid JSON"),
+    ("data.path={d}/nofield.jsonl", "{d}/nofield.jsonl:2: no 'text' field (found ['body']); set data.text_field"),
+    ("data.tokenizer={d}/tok_empty", "data.tokenizer: cannot load a tokenizer from {d}/tok_empty: no tokenizer files"),
+    ("data.tokenizer={d}/tok_corrupt", "data.tokenizer: cannot load a tokenizer from {d}/tok_corrupt"),
+]
+
+
+@pytest.mark.parametrize("override,expected", TRAIN_DATA_CASES, ids=[o for o, _ in TRAIN_DATA_CASES])
+def test_train_bad_data_or_tokenizer(cli, corpus: Path, override: str, expected: str) -> None:
+    msg = cli(override.format(d=corpus))
+    assert expected.format(d=corpus) in msg and len(msg) < 400, msg
+
+
+HF_CASES = [  # (HF folder, what the line must hold)
+    ("hf_broken_config", "{d}/hf_broken_config/config.json: not valid JSON"),
+    ("hf_missing", "{d}/hf_missing: Hugging Face checkpoint has no tensor model.layers.2.mlp.up_proj.weight"),
+    ("hf_shape", "{d}/hf_shape: model.layers.1.self_attn.o_proj.weight has shape (64, 32)"),
+    ("hf_extra", "{d}/hf_extra: Hugging Face checkpoint has 1 tensors that a llama model with this config does not have, e.g. "
+                 "['model.layers.0.self_attn.q_proj.bias']"),
+    ("hf_dtype", "{d}/hf_dtype: model.norm.weight is torch.int32"),
+    ("hf_mismatch", "{d}/hf_mismatch: "),
+]
+
+
+@pytest.mark.parametrize("name,expected", HF_CASES, ids=[n for n, _ in HF_CASES])
+def test_convert_bad_hf_folder_keeps_the_existing_output(cli, corpus: Path, tmp_path: Path, name: str,
+                                                         expected: str) -> None:
+    import shutil
+
+    dst = tmp_path / "dst"
+    shutil.copytree(corpus / "ckpt", dst)  # a good earlier conversion there
+    before = _snapshot(dst)
+    msg = cli("convert", str(corpus / name), str(dst), train=False)
+    assert expected.format(d=corpus) in msg, msg
+    assert _snapshot(dst) == before, "a failed conversion must not touch the existing output"
+
+
+@pytest.mark.parametrize("name", ["hf_missing", "hf_shape"])
+def test_init_from_bad_hf_folder(cli, corpus: Path, name: str) -> None:
+    msg = cli(f"model.init_from_hf={corpus / name}")
+    assert f"{corpus / name}: " in msg and "model.layers." in msg, msg
+
+
+CKPT_CASES = [  # (checkpoint, what the line must hold)
+    ("ckpt_truncated", "bytes, the manifest says"),
+    ("ckpt_newer", "checkpoint format 99; this Loong reads format 1"),
+    ("foreign", "is not a"),  # convert: "a loong-llm checkpoint"; train: "a checkpoint of this CLI's models"
+]
+
+
+@pytest.mark.parametrize("name,expected", CKPT_CASES, ids=[n for n, _ in CKPT_CASES])
+@pytest.mark.parametrize("verb", ["convert", "train"])
+def test_bad_checkpoint(cli, corpus: Path, tmp_path: Path, verb: str, name: str, expected: str) -> None:
+    src = corpus / name
+    if verb == "convert":
+        dst = tmp_path / "hf"
+        import shutil
+
+        shutil.copytree(corpus / "hf_good", dst)
+        before = _snapshot(dst)
+        msg = cli("convert", str(src), str(dst), train=False)
+        assert _snapshot(dst) == before, "a failed conversion must not touch the existing output"
+    else:
+        msg = cli(f"train.resume={src}")
+    assert str(src) in msg and expected in msg, msg
+
+
+def test_convert_another_architecture(cli, inputs: Path, tmp_path: Path) -> None:
+    msg = cli("convert", str(inputs / "gpt2"), str(tmp_path / "dst"), train=False)
+    assert "GPT2LMHeadModel" in msg and str(inputs / "gpt2") in msg
+    assert not (tmp_path / "dst").exists()
+
+
+def test_env_rejects_an_unknown_option(capsys: pytest.CaptureFixture) -> None:
+    """``env`` takes no arguments but ``--json``: argparse's usage error, exit code 2, no traceback."""
+    with pytest.raises(SystemExit) as exc:
+        main(["env", "--jsn"])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and "unrecognized arguments: --jsn" in err and "Traceback" not in err

@@ -2,26 +2,48 @@
 
 An HF folder becomes a weights-only Loong checkpoint (layout-independent: train it at any TP/PP with
 ``train.resume=DST``); a Loong checkpoint becomes an HF folder that ``from_pretrained`` loads.
+
+Both directions stream one native tensor at a time (the dense and Qwen3-MoE families; see docs/convert.md for the
+memory bound). HF side: ``safe_open`` reads one tensor at a time from ``model.safetensors`` or the shards of
+``model.safetensors.index.json``, and :class:`~loong.llm.hf_io.ShardWriter` writes shards of at most
+``max_shard_size`` as they fill. Loong side: tensors are read one at a time from the torch-DCP files megatron-core
+writes; writing needs megatron-core's own save of a built model (its ``_extra_state`` objects and common state go
+with the tensors), so HF → Loong holds the model once, in the checkpoint's dtype. ``verify`` rereads both sides and
+compares every tensor bit for bit.
 """
 
 from __future__ import annotations
 
 import shutil
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 
-from loong.core.accelerators import select_accelerator
 from loong.core.checkpoint import CheckpointManager, resolve_checkpoint
-from loong.core.config.schema import ParallelConfig
-from loong.core.engines.megatron.layout import init_distributed, shutdown_distributed
 from loong.core.errors import LoongError
-from loong.llm.checkpoint_init import read_model_weights
-from loong.llm.hf import load_hf_into, model_config_from_hf, write_hf
-from loong.llm.models.build import build_gpt_model, transformer_config
-from loong.llm.schema import LLMRunConfig
+from loong.llm.hf_io import DEFAULT_MAX_SHARD_BYTES, HFTensors, ShardWriter, write_hf_metadata
+from loong.llm.models.config import DenseModelConfig
+from loong.llm.models.hf_mapping import (
+    extra_hf_keys,
+    family_by_name,
+    hf_to_native_key,
+    ignored_hf_key,
+    is_stacked,
+    native_shapes,
+    native_to_hf,
+    native_to_hf_key,
+    streams,
+)
 
 _DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
+_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+class VerifyError(LoongError):
+    """``--verify`` found a tensor that differs between the two sides (exit code 2)."""
 
 
 class _WeightsOnly:
@@ -36,25 +58,164 @@ class _WeightsOnly:
         dist_checkpointing.save({"model": self.model.sharded_state_dict()}, str(directory))
 
 
-def _is_hf_folder(path: Path) -> bool:
-    return (path / "config.json").is_file()
+class CheckpointTensors:
+    """The model tensors of a Loong step directory (megatron-core's torch-DCP files), read one whole tensor at a
+    time: only the chunks of the asked-for tensor are read, whatever TP/PP/EP layout wrote them."""
+
+    def __init__(self, step_dir: Path) -> None:
+        from torch.distributed.checkpoint import FileSystemReader
+        from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+        self.step_dir = step_dir
+        try:
+            md = FileSystemReader(str(step_dir)).read_metadata()
+        except Exception as exc:  # noqa: BLE001 (torch raises several kinds for a missing/truncated .metadata)
+            raise LoongError(f"{step_dir}: cannot read the checkpoint's tensor metadata ({exc})") from None
+        self.meta = {k: (tuple(v.size), v.properties.dtype) for k, v in md.state_dict_metadata.items()
+                     if isinstance(v, TensorStorageMetadata)}
+
+    def get(self, key: str) -> torch.Tensor:
+        """One whole tensor, in its saved dtype."""
+        from torch.distributed.checkpoint import FileSystemReader, load
+        from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+
+        shape, dtype = self.meta[key]
+        out = torch.empty(shape, dtype=dtype)
+        load({key: out}, storage_reader=FileSystemReader(str(self.step_dir)),
+             planner=DefaultLoadPlanner(allow_partial_load=True), no_dist=True)
+        return out
 
 
-def hf_to_loong(src: Path, dst: Path, dtype: str = "auto") -> Path:
-    """Import an HF folder as a weights-only Loong checkpoint under ``dst/checkpoints``."""
+def _progress(enabled: bool, what: str) -> Any:
+    """A rich progress bar on stderr (as ``preprocess`` draws), counting parameters."""
+    from rich.console import Console
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+    return Progress(TextColumn(f"[bold]{what}"), BarColumn(), TextColumn("{task.percentage:>3.0f}%"),
+                    TextColumn("{task.fields[name]}"), TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(),
+                    console=Console(stderr=True), disable=not enabled)
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def _hf_taker(hf: HFTensors, used: set[str], meta: bool = False) -> Callable[[str], torch.Tensor]:
+    """``take(name)`` for :func:`hf_to_native_key`: the tensor (or a meta tensor of its shape: a dry run that
+    checks names and shapes before anything heavy), remembering which were used."""
+
+    def take(key: str) -> torch.Tensor:
+        if key not in hf:
+            raise LoongError(f"{hf.folder}: Hugging Face checkpoint has no tensor {key}")
+        used.add(key)
+        if meta:
+            shape, dtype = hf.meta(key)
+            if not dtype.is_floating_point:  # an integer tensor would be cast silently into garbage weights
+                raise LoongError(f"{hf.folder}: {key} is {dtype}; model weights must be floating point")
+            return torch.empty(shape, dtype=dtype, device="meta")
+        return hf.get(key)
+
+    return take
+
+
+def _check_hf(hf: HFTensors, cfg: DenseModelConfig) -> None:
+    """Every native tensor can be built from ``hf`` with the config's shapes, and nothing is left over."""
+    used: set[str] = set()
+    take = _hf_taker(hf, used, meta=True)
+    for key, shape in native_shapes(cfg).items():
+        try:
+            got = tuple(hf_to_native_key(key, take, cfg).shape)
+        except LoongError as exc:  # the mapping's own errors (per-layer shapes that differ) name no folder
+            where = "" if str(exc).startswith(f"{hf.folder}:") else f"{hf.folder}: "
+            raise LoongError(f"{where}{exc}") from None
+        if got != shape:
+            raise LoongError(f"{hf.folder}: {key} has shape {got} from the Hugging Face tensors, the config "
+                             f"implies {shape}")
+    try:
+        extra_hf_keys(hf.keys(), used, cfg)
+    except LoongError as exc:  # name the folder, as the other checks do
+        raise LoongError(f"{hf.folder}: {exc}") from None
+
+
+def _fill(model: torch.nn.Module, hf: HFTensors, cfg: DenseModelConfig, progress: bool) -> None:
+    """Copy the HF tensors into the model's parameters one layer slice of one native tensor at a time (a stacked
+    native tensor is never assembled: memory above the model is about one layer's tensor, or the embedding)."""
+    from loong.core.engines.megatron.state import sharded_tensors
+
+    shapes = native_shapes(cfg)
+    by_key: dict[str, list[Any]] = {}
+    for st in sharded_tensors([model]):
+        by_key.setdefault(st.key, []).append(st)
+    unknown = sorted(set(by_key) - set(shapes))
+    if unknown:
+        raise LoongError(f"the {cfg.family} model has tensors the mapping does not fill, e.g. {unknown[:3]}")
+    take = _hf_taker(hf, set())
+
+    def copy(st: Any, part: torch.Tensor, first: int) -> None:
+        p = st.prepend_axis_num  # leading axes indexed by an integer (layer, expert, ...); the rest are slices
+        idx = tuple(st.global_offset[first:p]) + tuple(
+            slice(o, o + n) for o, n in zip(st.global_offset[p:], st.local_shape, strict=True))
+        st.data.copy_(part[idx].to(st.data.dtype))
+
+    with torch.no_grad(), _progress(progress, "convert") as bar:
+        task = bar.add_task("convert", total=sum(_numel(s) for s in shapes.values()), name="")
+        for key, shape in shapes.items():
+            bar.update(task, name=key)
+            if is_stacked(key):
+                for layer in range(shape[0]):
+                    part = hf_to_native_key(key, take, cfg, layer=layer)
+                    for st in by_key.get(key, []):
+                        if st.global_offset[0] == layer:
+                            copy(st, part, 1)
+                    del part
+            else:
+                tensor = hf_to_native_key(key, take, cfg)
+                for st in by_key.get(key, []):
+                    copy(st, tensor, 0)
+                del tensor
+            bar.advance(task, _numel(shape))
+
+
+def _floating_dtype(dtypes: list[torch.dtype], default: torch.dtype = torch.float32) -> torch.dtype:
+    floats = [d for d in dtypes if d.is_floating_point]
+    return max(set(floats), key=floats.count) if floats else default
+
+
+def hf_to_loong(src: Path, dst: Path, dtype: str = "auto", progress: bool = False) -> Path:
+    """Import an HF folder as a weights-only Loong checkpoint under ``dst/checkpoints``.
+
+    ``dtype`` ``auto`` keeps the HF tensors' dtype. The model is built once in that dtype (megatron-core writes the
+    checkpoint from it) and filled one native tensor at a time from the lazily read HF tensors.
+    """
+    from loong.core.accelerators import select_accelerator
+    from loong.core.config.schema import ParallelConfig, to_dict
+    from loong.core.engines.megatron.layout import init_distributed, shutdown_distributed
+    from loong.llm.hf import load_hf_into, model_config_from_hf
+    from loong.llm.models.build import build_gpt_model, transformer_config
+    from loong.llm.schema import LLMRunConfig
+
     model_cfg = model_config_from_hf(src)
+    hf = HFTensors(src)
+    if streams(model_cfg):
+        _check_hf(hf, model_cfg)  # names and shapes from the headers: fail before building anything
+    torch_dtype = _DTYPES.get(dtype) or _floating_dtype([hf.meta(k)[1] for k in hf.keys()])
     accelerator = select_accelerator("cpu")
     with accelerator.activate():
         layout = init_distributed(accelerator, ParallelConfig())
         try:
-            torch_dtype = _DTYPES.get(dtype, torch.float32)
-            config = transformer_config(model_cfg, ParallelConfig(), torch_dtype,
-                                        accelerator.megatron_config_overrides())
+            # no random initialisation: every weight is overwritten from the HF folder
+            overrides = {**accelerator.megatron_config_overrides(), "perform_initialization": False}
+            config = transformer_config(model_cfg, ParallelConfig(), torch_dtype, overrides)
             model = build_gpt_model(model_cfg, config, accelerator.capabilities(), True, True,
                                     layout.pg_collection)
-            load_hf_into([model], src, model_cfg)
+            if streams(model_cfg):
+                _fill(model, hf, model_cfg, progress)
+            else:  # DeepSeek-V3/V3.2: the mapping needs the whole state dict
+                load_hf_into([model], src, model_cfg)
             run_cfg = LLMRunConfig(model=model_cfg, run_name=dst.name, output_dir=str(dst.parent))
-            from loong.core.config.schema import to_dict
 
             def artifacts(step_dir: Path) -> None:
                 tok_files = [p for p in src.iterdir() if p.name.startswith(("tokenizer", "special_tokens",
@@ -67,33 +228,150 @@ def hf_to_loong(src: Path, dst: Path, dtype: str = "auto") -> Path:
             state = {"step": 0, "weights_only": True, "source": str(src)}
             CheckpointManager(dst / "checkpoints").save(0, _WeightsOnly(model), state, to_dict(run_cfg),
                                                         artifacts=artifacts)
+            del model
         finally:
             shutdown_distributed()
     return dst / "checkpoints"
 
 
-def loong_to_hf(src: Path, dst: Path, dtype: str = "auto", merge_lora: bool = False) -> Path:
-    """Export a Loong checkpoint (any layout it was saved at) as an HF folder.
+def _checkpoint_native(step_dir: Path, cfg: DenseModelConfig, merge_lora: bool
+                       ) -> tuple[list[str], Callable[[str], torch.Tensor], dict[str, torch.Tensor] | None]:
+    """(native keys, ``get(key)``, whole tensors or None) of a checkpoint: streamed from the DCP files when the
+    family maps tensor by tensor and there are no LoRA adapters to merge, else read whole."""
+    from loong.llm.checkpoint_init import read_model_weights
+    from loong.llm.lora import is_adapter_key
+
+    wanted = native_shapes(cfg)
+    reader = CheckpointTensors(step_dir)
+    adapters = [k for k in reader.meta if is_adapter_key(k) and not k.startswith("optimizer.")]
+    if adapters and not merge_lora:
+        raise LoongError(f"{step_dir} is a LoRA checkpoint ({len(adapters)} adapter tensors, model.lora.rank="
+                         f"{cfg.lora.rank}); pass --merge-lora to merge the adapters into the Hugging Face weights")
+    if adapters or not streams(cfg):
+        _, native, _ = read_model_weights(step_dir, merge_lora=merge_lora, key=None)
+        return list(wanted), native.__getitem__, native
+    missing = sorted(set(wanted) - set(reader.meta))
+    if missing:
+        raise LoongError(f"{step_dir} lacks model tensors {missing[:3]} for its config")
+    for key, shape in wanted.items():
+        if reader.meta[key][0] != shape:
+            raise LoongError(f"{step_dir}: {key} has shape {reader.meta[key][0]}, its config implies {shape}")
+    return list(wanted), reader.get, None
+
+
+def _hf_tensors_of(keys: list[str], get: Callable[[str], torch.Tensor], whole: dict[str, torch.Tensor] | None,
+                   cfg: DenseModelConfig) -> Iterator[tuple[str, str, torch.Tensor]]:
+    """(native key, HF name, HF tensor) in order, one native tensor in memory at a time when streaming."""
+    if whole is not None:
+        for name, tensor in native_to_hf(whole, cfg).items():
+            yield "", name, tensor
+        return
+    for key in keys:
+        for name, tensor in native_to_hf_key(key, get(key), cfg).items():
+            yield key, name, tensor
+
+
+def loong_to_hf(src: Path, dst: Path, dtype: str = "auto", merge_lora: bool = False,
+                max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, progress: bool = False) -> Path:
+    """Export a Loong checkpoint (any layout it was saved at) as an HF folder, sharded above ``max_shard_bytes``.
 
     A checkpoint with LoRA adapters needs ``merge_lora=True`` (``--merge-lora``): the adapters are
     merged into the base weights (``W + alpha/rank·B@A``); without it nothing is written.
     """
-    try:
-        model_cfg, native, step_dir = read_model_weights(src, merge_lora=merge_lora, key=None)
-    except LoongError as exc:
-        if "LoRA checkpoint" in str(exc):
-            raise LoongError(f"{exc}; pass --merge-lora to merge the adapters into the Hugging Face weights") from None
-        raise
-    saved_dtype = next(iter(native.values())).dtype
-    out_dtype = _DTYPES.get(dtype, saved_dtype)
+    from loong.llm.checkpoint_init import checkpoint_model_config
+
+    step_dir = resolve_checkpoint(src)
+    cfg = checkpoint_model_config(step_dir, key=None)
+    keys, get, whole = _checkpoint_native(step_dir, cfg, merge_lora)
+    saved = whole[keys[0]].dtype if whole is not None else CheckpointTensors(step_dir).meta[keys[0]][1]
+    out_dtype = _DTYPES.get(dtype, saved)
+    writer = ShardWriter(dst, max_shard_bytes)
+    total = sum(_numel(s) for s in native_shapes(cfg).values())
+    with _progress(progress, "convert") as bar:
+        task = bar.add_task("convert", total=total, name="")
+        for _, name, tensor in _hf_tensors_of(keys, get, whole, cfg):
+            bar.update(task, name=name)
+            writer.add(name, tensor.to(out_dtype))
+            bar.advance(task, tensor.numel())
+    writer.close()
     tokenizer = step_dir / "tokenizer"
-    return write_hf(native, model_cfg, dst, out_dtype, tokenizer_dir=tokenizer if tokenizer.is_dir() else None)
+    family = family_by_name(cfg.family)
+    return write_hf_metadata(dst, family.hf_config_dict(cfg, _DTYPE_NAMES[out_dtype]),
+                             tokenizer_dir=tokenizer if tokenizer.is_dir() else None)
 
 
-def convert(src: str | Path, dst: str | Path, dtype: str = "auto", merge_lora: bool = False) -> Path:
-    """Convert in the direction SRC implies. Nothing is written when SRC is not understood.
+def _first_difference(a: torch.Tensor, b: torch.Tensor) -> str:
+    """Where two same-shape tensors differ, for a person."""
+    diff = (a.float() - b.float()).abs()
+    bad = (a.view(torch.uint8) != b.view(torch.uint8)).view(*a.shape, -1).any(-1) if a.dim() else diff > 0
+    idx = tuple(int(i) for i in bad.nonzero()[0]) if bad.any() else ()
+    return (f"{int(bad.sum())} of {a.numel()} elements differ, first at {list(idx)} "
+            f"({a[idx].item()!r} vs {b[idx].item()!r}), max |diff| {diff.max().item():.3g}")
 
-    ``merge_lora``: merge a LoRA checkpoint's adapters into the written HF weights (Loong → HF only).
+
+def verify(hf_folder: str | Path, checkpoint: str | Path, into: str, merge_lora: bool = False,
+           progress: bool = False) -> str:
+    """Reread both sides of a conversion and compare every tensor; a one-line summary.
+
+    ``into`` is the side that was written (``"hf"`` or ``"loong"``): the other side is cast to its dtype (the
+    ``--dtype`` rule) and must then match bit for bit. Names must match too: every HF tensor the checkpoint implies
+    exists and there is no other. Raises :class:`VerifyError` naming the first tensor that differs.
+    """
+    start = time.perf_counter()
+    hf = HFTensors(hf_folder)
+    step_dir = resolve_checkpoint(Path(checkpoint))
+    from loong.llm.checkpoint_init import checkpoint_model_config
+
+    cfg = checkpoint_model_config(step_dir, key=None)
+    keys, get, whole = _checkpoint_native(step_dir, cfg, merge_lora)
+    seen: set[str] = set()
+    count = numel = 0
+    dtypes: set[tuple[str, str]] = set()
+    with _progress(progress, "verify") as bar:
+        task = bar.add_task("verify", total=sum(_numel(s) for s in native_shapes(cfg).values()), name="")
+        for native_key, name, ours in _hf_tensors_of(keys, get, whole, cfg):
+            bar.update(task, name=name)
+            where = f"{name} (native {native_key})" if native_key else name
+            if name not in hf:
+                raise VerifyError(f"verify: {hf.folder} has no tensor {where}")
+            theirs = hf.get(name)
+            seen.add(name)
+            if tuple(theirs.shape) != tuple(ours.shape):
+                raise VerifyError(f"verify: {where} in {hf.folder / hf.file_of(name)} has shape "
+                                  f"{tuple(theirs.shape)}, the checkpoint's is {tuple(ours.shape)}")
+            dtypes.add((str(theirs.dtype).removeprefix("torch."), str(ours.dtype).removeprefix("torch.")))
+            if into == "hf":
+                ours = ours.to(theirs.dtype)
+            else:
+                theirs = theirs.to(ours.dtype)
+            a, b = theirs.contiguous(), ours.contiguous()
+            if not torch.equal(a.view(torch.uint8), b.view(torch.uint8)):
+                raise VerifyError(f"verify: {where} differs between {hf.folder / hf.file_of(name)} and {step_dir}: "
+                                  f"{_first_difference(a, b)}")
+            count += 1
+            numel += ours.numel()
+            bar.advance(task, ours.numel())
+    extra = sorted(k for k in hf.keys() if k not in seen and not ignored_hf_key(k)
+                   and not (cfg.tie_word_embeddings and k == "lm_head.weight"))
+    if extra:
+        raise VerifyError(f"verify: {hf.folder} has {len(extra)} tensors the checkpoint does not, e.g. {extra[:3]}")
+    kinds = ", ".join(f"HF {h} / Loong {n}" for h, n in sorted(dtypes))
+    return (f"verify: {count} tensors, {numel:,} parameters match bit for bit ({kinds}) "
+            f"in {time.perf_counter() - start:.1f} s")
+
+
+def _is_hf_folder(path: Path) -> bool:
+    return (path / "config.json").is_file()
+
+
+def convert(src: str | Path, dst: str | Path, dtype: str = "auto", merge_lora: bool = False,
+            max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, progress: bool = False,
+            check: bool = False) -> tuple[Path, str | None]:
+    """Convert in the direction SRC implies; ``(what was written, the verify summary or None)``.
+
+    Nothing is written when SRC is not understood. ``merge_lora``: merge a LoRA checkpoint's adapters into the
+    written HF weights (Loong → HF only). ``max_shard_bytes``: the HF shard size (Loong → HF only). ``check``:
+    reread both sides and compare every tensor afterwards (:func:`verify`).
     """
     src_p, dst_p = Path(src), Path(dst)
     if not src_p.exists():
@@ -101,7 +379,8 @@ def convert(src: str | Path, dst: str | Path, dtype: str = "auto", merge_lora: b
     if _is_hf_folder(src_p):
         if merge_lora:
             raise LoongError(f"--merge-lora applies to a Loong checkpoint; {src} is a Hugging Face folder")
-        return hf_to_loong(src_p, dst_p, dtype)
+        out = hf_to_loong(src_p, dst_p, dtype, progress=progress)
+        return out, verify(src_p, out, "loong", progress=progress) if check else None
     try:
         resolve_checkpoint(src_p, verify=False)  # is it a checkpoint at all? (integrity: below)
     except LoongError as exc:
@@ -111,4 +390,5 @@ def convert(src: str | Path, dst: str | Path, dtype: str = "auto", merge_lora: b
             f"{src} is neither a Hugging Face model folder (no config.json) nor a Loong checkpoint "
             "(no manifest.json, trainer_state.json or step_* directories)"
         ) from None
-    return loong_to_hf(src_p, dst_p, dtype, merge_lora=merge_lora)
+    out = loong_to_hf(src_p, dst_p, dtype, merge_lora=merge_lora, max_shard_bytes=max_shard_bytes, progress=progress)
+    return out, verify(out, src_p, "hf", merge_lora=merge_lora, progress=progress) if check else None

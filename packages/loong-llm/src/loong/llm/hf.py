@@ -31,7 +31,10 @@ def read_hf_config(path: str | Path) -> dict[str, Any]:
     cfg_file = folder / "config.json"
     if not cfg_file.is_file():
         raise LoongError(f"{path} has no config.json; it is not a Hugging Face model folder")
-    return json.loads(cfg_file.read_text())
+    try:
+        return json.loads(cfg_file.read_text())
+    except json.JSONDecodeError as exc:
+        raise LoongError(f"{cfg_file}: not valid JSON ({exc})") from None
 
 
 def model_config_from_hf(path: str | Path, keep: DenseModelConfig | None = None) -> DenseModelConfig:
@@ -75,7 +78,13 @@ def load_hf_into(model_chunks: list[torch.nn.Module], path: str | Path, cfg: Den
     """Load an HF folder's weights into this rank's slices of the model."""
     hf_config, state = read_hf_folder(path)
     family_for_hf_config(hf_config, source=str(path))
-    native = hf_to_native(state, cfg)
+    odd = next((k for k, t in state.items() if not t.is_floating_point()), None)
+    if odd is not None:  # an integer tensor would be cast silently into garbage weights
+        raise LoongError(f"{path}: {odd} is {state[odd].dtype}; model weights must be floating point")
+    try:
+        native = hf_to_native(state, cfg)
+    except LoongError as exc:  # name the folder: the mapping only knows tensor names
+        raise LoongError(f"{path}: {exc}") from None
     if cfg.lora.rank > 0:
         from loong.llm.lora import load_base_state
 

@@ -42,9 +42,13 @@ def read_documents(path: Path, fmt: str = "auto", text_field: str = "text") -> I
         raise LoongError(f"data.path: {path} is a directory; give a .txt or .jsonl file")
     if fmt == "auto":
         fmt = "jsonl" if path.suffix in (".jsonl", ".json", ".ndjson") else "text"
-    with path.open(encoding="utf-8") as fh:
-        for lineno, line in enumerate(fh, start=1):
-            line = line.strip()
+    with path.open("rb") as fh:  # bytes: a bad byte is reported with its line, not as a decoder traceback
+        for lineno, raw in enumerate(fh, start=1):
+            try:
+                line = raw.decode("utf-8").strip()
+            except UnicodeDecodeError as exc:
+                raise LoongError(f"{path}:{lineno}: not valid UTF-8 ({exc.reason}); re-encode the file as UTF-8") \
+                    from None
             if not line:
                 continue
             if fmt == "text":

@@ -75,8 +75,14 @@ def load_tokenizer(path: str | None) -> Tokenizer:
         raise LoongError(f"data.tokenizer: {path} does not exist")
     from transformers import AutoTokenizer
 
+    from loong.llm.hf_io import TOKENIZER_FILES
+
+    if folder.is_dir() and not any((folder / name).is_file() for name in TOKENIZER_FILES):
+        raise LoongError(f"data.tokenizer: cannot load a tokenizer from {path}: no tokenizer files (expected e.g. "
+                         "tokenizer.json or tokenizer.model)")
     try:
         hf = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
     except Exception as exc:  # transformers raises many types for unreadable folders
-        raise LoongError(f"data.tokenizer: cannot load a tokenizer from {path}: {exc}") from None
+        reason = " ".join(str(exc).split())[:300]  # one line: some of its messages span several
+        raise LoongError(f"data.tokenizer: cannot load a tokenizer from {path}: {reason}") from None
     return Tokenizer(hf, str(folder))

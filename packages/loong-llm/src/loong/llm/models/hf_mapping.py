@@ -9,7 +9,7 @@ Which optional tensors exist (q/k/v bias, QK norm, a separate ``lm_head``) follo
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
@@ -130,6 +130,85 @@ def _qkv_keys(cfg: DenseModelConfig) -> tuple[tuple[str, str], ...]:
     return (("weight", _QKV_W), ("bias", _QKV_B)) if cfg.qkv_bias else (("weight", _QKV_W),)
 
 
+def streams(cfg: DenseModelConfig) -> bool:
+    """Whether ``cfg``'s family maps one native tensor at a time (:func:`hf_to_native_key`,
+    :func:`native_to_hf_key`); DeepSeek-V3/V3.2's mapping converts whole state dicts only."""
+    return not cfg.is_mla
+
+
+def ignored_hf_key(key: str) -> bool:
+    """An HF tensor that carries no weights (old checkpoints saved the RoPE buffer)."""
+    return key.endswith(_IGNORED_SUFFIXES)
+
+
+def is_stacked(key: str) -> bool:
+    """Whether native tensor ``key`` stacks the decoder layers on its leading axis."""
+    return key.startswith(_L)
+
+
+def hf_to_native_key(key: str, take: Callable[[str], Tensor], cfg: DenseModelConfig,
+                     layer: int | None = None) -> Tensor:
+    """The native tensor ``key`` built from the HF tensors ``take(name)`` returns (dense and Qwen3-MoE families);
+    with ``layer`` (a key :func:`is_stacked`), only that layer's slice ``[layer]``.
+
+    Only the HF tensors asked for are read, so a converter can hold one native tensor (or layer slice) at a time.
+    """
+    n = cfg.num_layers
+    layers = range(n) if layer is None else (layer,)
+
+    def stacked(parts: list[Tensor]) -> Tensor:
+        return torch.stack(parts) if layer is None else parts[0]
+
+    def stack(suffix: str) -> Tensor:
+        parts = [take(f"model.layers.{i}.{suffix}") for i in layers]
+        odd = next((i for i, t in enumerate(parts) if t.shape != parts[0].shape), None)
+        if odd is not None:  # torch.stack's own error names no tensor
+            raise LoongError(f"model.layers.{odd}.{suffix} has shape {tuple(parts[odd].shape)}, "
+                             f"model.layers.0.{suffix} has {tuple(parts[0].shape)}")
+        return stacked(parts)
+
+    single = {_EMB: "model.embed_tokens.weight", _FINAL: "model.norm.weight", _OUT: "lm_head.weight"}
+    if key in single:
+        return take(single[key])
+    plain = dict(_plain(cfg))
+    if key in plain:
+        return stack(plain[key])
+    qkv = {native: kind for kind, native in _qkv_keys(cfg)}
+    if key in qkv:
+        return stacked([
+            _fuse_qkv(*(take(f"model.layers.{i}.self_attn.{p}_proj.{qkv[key]}") for p in "qkv"), cfg,
+                      f"model.layers.{i}.self_attn.*_proj.{qkv[key]}")
+            for i in layers
+        ])
+    if key == _ROUTER:
+        return stack("mlp.gate.weight")
+    if key in (_EXP_FC1, _EXP_FC2):
+        experts = [[f"model.layers.{i}.mlp.experts.{e}." for e in range(cfg.num_experts)] for i in layers]
+        if key == _EXP_FC2:
+            return stacked([torch.stack([take(p + "down_proj.weight") for p in ps]) for ps in experts])
+        return stacked([
+            torch.stack([torch.cat([take(p + "gate_proj.weight"), take(p + "up_proj.weight")]) for p in ps])
+            for ps in experts
+        ])
+    if key == _FC1:
+        return stacked([
+            torch.cat([take(f"model.layers.{i}.mlp.gate_proj.weight"), take(f"model.layers.{i}.mlp.up_proj.weight")])
+            for i in layers
+        ])
+    raise LoongError(f"a {cfg.family} model has no native tensor {key}")
+
+
+def extra_hf_keys(hf_keys: Iterable[str], used: set[str], cfg: DenseModelConfig) -> None:
+    """Raise LoongError when HF tensors other than ``used`` (and the ignored / tied-alias ones) are present."""
+    extra = sorted(k for k in hf_keys if k not in used and not ignored_hf_key(k)
+                   and not (cfg.tie_word_embeddings and k == "lm_head.weight"))  # transformers lists the tied alias
+    if extra:
+        raise LoongError(
+            f"Hugging Face checkpoint has {len(extra)} tensors that a {cfg.family} model with this config "
+            f"does not have, e.g. {extra[:3]} (check num_hidden_layers, attention_bias, tie_word_embeddings)"
+        )
+
+
 def hf_to_native(hf_state: Mapping[str, Tensor], cfg: DenseModelConfig) -> dict[str, Tensor]:
     """Hugging Face tensors (``model.layers.{i}...``) -> Loong's stacked native tensors.
 
@@ -143,59 +222,48 @@ def hf_to_native(hf_state: Mapping[str, Tensor], cfg: DenseModelConfig) -> dict[
             from loong.llm.models.deepseek_v3 import mapping
 
         return mapping.hf_to_native(hf_state, cfg)
-    src = {k: v for k, v in hf_state.items() if not k.endswith(_IGNORED_SUFFIXES)}
+    used: set[str] = set()
 
     def take(key: str) -> Tensor:
-        if key not in src:
+        if key not in hf_state:
             raise LoongError(f"Hugging Face checkpoint has no tensor {key}")
-        return src.pop(key)
+        used.add(key)
+        return hf_state[key]
 
-    def stack(suffix: str) -> Tensor:
-        return torch.stack([take(f"model.layers.{i}.{suffix}") for i in range(cfg.num_layers)])
-
-    out: dict[str, Tensor] = {_EMB: take("model.embed_tokens.weight"), _FINAL: take("model.norm.weight")}
-    if cfg.tie_word_embeddings:
-        src.pop("lm_head.weight", None)  # transformers' state_dict() lists the tied alias
-    else:
-        out[_OUT] = take("lm_head.weight")
-    for native, hf in _plain(cfg):
-        out[native] = stack(hf)
-    for kind, native in _qkv_keys(cfg):
-        out[native] = torch.stack(
-            [
-                _fuse_qkv(
-                    *(take(f"model.layers.{i}.self_attn.{p}_proj.{kind}") for p in "qkv"),
-                    cfg,
-                    f"model.layers.{i}.self_attn.*_proj.{kind}",
-                )
-                for i in range(cfg.num_layers)
-            ]
-        )
-    if cfg.is_moe:
-        out[_ROUTER] = stack("mlp.gate.weight")
-        experts = [[f"model.layers.{i}.mlp.experts.{e}." for e in range(cfg.num_experts)]
-                   for i in range(cfg.num_layers)]
-        out[_EXP_FC1] = torch.stack([
-            torch.stack([torch.cat([take(p + "gate_proj.weight"), take(p + "up_proj.weight")]) for p in layer])
-            for layer in experts
-        ])
-        out[_EXP_FC2] = torch.stack([torch.stack([take(p + "down_proj.weight") for p in layer]) for layer in experts])
-    else:
-        out[_FC1] = torch.stack(
-            [
-                torch.cat(
-                    [take(f"model.layers.{i}.mlp.gate_proj.weight"), take(f"model.layers.{i}.mlp.up_proj.weight")]
-                )
-                for i in range(cfg.num_layers)
-            ]
-        )
-    if src:
-        extra = sorted(src)
-        raise LoongError(
-            f"Hugging Face checkpoint has {len(extra)} tensors that a {cfg.family} model with this config "
-            f"does not have, e.g. {extra[:3]} (check num_hidden_layers, attention_bias, tie_word_embeddings)"
-        )
+    out = {key: hf_to_native_key(key, take, cfg) for key in native_shapes(cfg)}
+    extra_hf_keys(hf_state, used, cfg)
     _check_shapes(out, cfg, "Hugging Face checkpoint")
+    return out
+
+
+def native_to_hf_key(key: str, tensor: Tensor, cfg: DenseModelConfig) -> dict[str, Tensor]:
+    """The HF tensors of one native tensor (dense and Qwen3-MoE families); they may be views of ``tensor``."""
+    single = {_EMB: "model.embed_tokens.weight", _FINAL: "model.norm.weight", _OUT: "lm_head.weight"}
+    if key in single:
+        return {single[key]: tensor}
+    out: dict[str, Tensor] = {}
+    plain = dict(_plain(cfg))
+    qkv = {native: kind for kind, native in _qkv_keys(cfg)}
+    for i in range(cfg.num_layers):
+        pre = f"model.layers.{i}."
+        if key in plain:
+            out[pre + plain[key]] = tensor[i]
+        elif key in qkv:
+            for p, t in zip("qkv", _split_qkv(tensor[i], cfg), strict=True):
+                out[f"{pre}self_attn.{p}_proj.{qkv[key]}"] = t
+        elif key == _ROUTER:
+            out[pre + "mlp.gate.weight"] = tensor[i]
+        elif key == _EXP_FC1:
+            for e in range(cfg.num_experts):
+                gate, up = tensor[i, e].chunk(2, dim=0)
+                out[f"{pre}mlp.experts.{e}.gate_proj.weight"], out[f"{pre}mlp.experts.{e}.up_proj.weight"] = gate, up
+        elif key == _EXP_FC2:
+            for e in range(cfg.num_experts):
+                out[f"{pre}mlp.experts.{e}.down_proj.weight"] = tensor[i, e]
+        elif key == _FC1:
+            out[pre + "mlp.gate_proj.weight"], out[pre + "mlp.up_proj.weight"] = tensor[i].chunk(2, dim=0)
+        else:
+            raise LoongError(f"a {cfg.family} model has no native tensor {key}")
     return out
 
 
@@ -209,25 +277,9 @@ def native_to_hf(native: Mapping[str, Tensor], cfg: DenseModelConfig) -> dict[st
 
         return mapping.native_to_hf(native, cfg)
     _check_shapes(native, cfg, "Loong model state")
-    out: dict[str, Tensor] = {"model.embed_tokens.weight": native[_EMB], "model.norm.weight": native[_FINAL]}
-    if not cfg.tie_word_embeddings:
-        out["lm_head.weight"] = native[_OUT]
-    for i in range(cfg.num_layers):
-        pre = f"model.layers.{i}."
-        for key, hf in _plain(cfg):
-            out[pre + hf] = native[key][i]
-        for kind, key in _qkv_keys(cfg):
-            for p, t in zip("qkv", _split_qkv(native[key][i], cfg), strict=True):
-                out[f"{pre}self_attn.{p}_proj.{kind}"] = t
-        if cfg.is_moe:
-            out[pre + "mlp.gate.weight"] = native[_ROUTER][i]
-            for e in range(cfg.num_experts):
-                gate, up = native[_EXP_FC1][i, e].chunk(2, dim=0)
-                out[f"{pre}mlp.experts.{e}.gate_proj.weight"], out[f"{pre}mlp.experts.{e}.up_proj.weight"] = gate, up
-                out[f"{pre}mlp.experts.{e}.down_proj.weight"] = native[_EXP_FC2][i, e]
-        else:
-            gate, up = native[_FC1][i].chunk(2, dim=0)
-            out[pre + "mlp.gate_proj.weight"], out[pre + "mlp.up_proj.weight"] = gate, up
+    out: dict[str, Tensor] = {}
+    for key in native_shapes(cfg):
+        out.update(native_to_hf_key(key, native[key], cfg))
     return out
 
 

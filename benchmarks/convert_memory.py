@@ -1,0 +1,168 @@
+"""Peak memory of ``loong-llm convert`` on a ~1B-parameter model, both ways, against the model's size.
+
+A random-weight Llama of the Llama-3.2-1B shape (16 layers, hidden 2048, FFN 8192, 32 heads / 8 KV heads,
+vocabulary 128256, tied embeddings: 1.24 B parameters) is written as a bf16 Hugging Face folder in
+``--hf-shard-size`` shards with ``model.safetensors.index.json``, one tensor at a time (no model is instantiated:
+random tensors go straight into :class:`loong.llm.hf_io.ShardWriter`). Then, each in its own process with the
+peak resident set size read from ``getrusage(RUSAGE_CHILDREN)`` of a fresh parent per run:
+
+- HF -> Loong: ``loong-llm convert HF LOONG --no-progress``;
+- Loong -> HF: ``loong-llm convert LOONG HF2 --max-shard-size 1GB --no-progress``;
+- optionally (``--verify``) each again with ``--verify``.
+
+Figures: peak RSS in GiB, the model's bytes, the largest HF tensor and the largest native (layer-stacked) tensor,
+and the baseline RSS of a process that only imports the converter (torch + megatron-core). Prints a table and
+writes JSON (command, versions, hardware, figures) to ``benchmarks/results/convert_memory_cpu_<date>.json``.
+
+    uv run python benchmarks/convert_memory.py                # ~1.24 B parameters, ~2.5 GB bf16 on disk
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from _env import host, run_child, versions  # benchmarks/_env.py (run as scripts from the repo root)
+
+RESULTS = Path(__file__).parent / "results"
+GIB = 2**30
+
+# runs one command as a child and prints its peak RSS (ru_maxrss is KiB on Linux); a fresh process per measurement
+# so RUSAGE_CHILDREN holds that child alone
+MEASURE = r"""
+import json, resource, subprocess, sys, time
+t = time.perf_counter()
+proc = subprocess.run(sys.argv[1:], capture_output=True, text=True)
+wall = time.perf_counter() - t
+peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024
+print(json.dumps({"rc": proc.returncode, "peak_rss_bytes": peak, "wall_s": wall, "stderr_tail": proc.stderr[-1500:]}))
+"""
+
+BASELINE = "import loong.llm.convert, megatron.core.dist_checkpointing, torch.distributed.checkpoint"
+
+
+def llama_1b(layers: int) -> dict:
+    """config.json of a Llama-3.2-1B-shaped model."""
+    return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 2048,
+            "intermediate_size": 8192, "num_hidden_layers": layers, "num_attention_heads": 32,
+            "num_key_value_heads": 8, "head_dim": 64, "vocab_size": 128256, "max_position_embeddings": 8192,
+            "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "tie_word_embeddings": True, "hidden_act": "silu",
+            "attention_bias": False, "mlp_bias": False, "torch_dtype": "bfloat16", "bos_token_id": 128000,
+            "eos_token_id": 128001}
+
+
+def write_random_hf(folder: Path, cfg: dict, shard_bytes: int) -> dict:
+    """A bf16 HF folder of random weights for ``cfg``, one tensor in memory at a time; its sizes."""
+    import torch
+
+    from loong.llm.hf_io import ShardWriter, write_hf_metadata
+
+    d, f, v, n = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"], cfg["num_hidden_layers"]
+    hd, q, kv = cfg["head_dim"], cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    shapes = {"model.embed_tokens.weight": (v, d)}
+    for i in range(n):
+        p = f"model.layers.{i}."
+        shapes.update({p + "input_layernorm.weight": (d,), p + "post_attention_layernorm.weight": (d,),
+                       p + "self_attn.q_proj.weight": (q * hd, d), p + "self_attn.k_proj.weight": (kv * hd, d),
+                       p + "self_attn.v_proj.weight": (kv * hd, d), p + "self_attn.o_proj.weight": (d, q * hd),
+                       p + "mlp.gate_proj.weight": (f, d), p + "mlp.up_proj.weight": (f, d),
+                       p + "mlp.down_proj.weight": (d, f)})
+    shapes["model.norm.weight"] = (d,)
+    gen = torch.Generator().manual_seed(0)
+    writer = ShardWriter(folder, shard_bytes)
+    for key, shape in shapes.items():
+        t = torch.randn(shape, generator=gen, dtype=torch.float32).mul_(0.02).to(torch.bfloat16)
+        writer.add(key, t)
+        del t
+    files = writer.close()
+    write_hf_metadata(folder, cfg)
+    params = sum(torch.Size(s).numel() for s in shapes.values())
+    largest = max(shapes.items(), key=lambda kv: torch.Size(kv[1]).numel())
+    # the largest native tensor: linear_fc1 stacks gate+up of every layer ([layers, 2*ffn, hidden])
+    native_largest = max(n * 2 * f * d, v * d)
+    return {"parameters": params, "bytes": params * 2, "shards": len(files),
+            "largest_hf_tensor": {"name": largest[0], "bytes": torch.Size(largest[1]).numel() * 2},
+            "largest_native_tensor_bytes": native_largest * 2}
+
+
+def measure(cmd: list[str], env: dict) -> dict:
+    """Peak RSS and wall time of ``cmd`` in a child of a fresh measuring process."""
+    proc = run_child([sys.executable, "-c", MEASURE, *cmd], env=env)
+    if proc.returncode != 0:
+        raise SystemExit(f"measuring {cmd} failed: {proc.stderr[-2000:]}")
+    res = json.loads(proc.stdout.strip().splitlines()[-1])
+    if res["rc"] != 0:
+        raise SystemExit(f"{' '.join(cmd)} exited {res['rc']}: {res['stderr_tail']}")
+    return {"command": " ".join(cmd), "peak_rss_bytes": res["peak_rss_bytes"], "wall_s": round(res["wall_s"], 1),
+            "summary": [ln for ln in res["stderr_tail"].splitlines() if ln.startswith(("wrote", "verify"))]}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--layers", type=int, default=16, help="decoder layers (16: ~1.24 B parameters)")
+    parser.add_argument("--hf-shard-size", default="1GB", help="shard size of the generated HF folder (1GB)")
+    parser.add_argument("--max-shard-size", default="1GB", help="--max-shard-size of the Loong -> HF run (1GB)")
+    parser.add_argument("--verify", action="store_true", help="also measure both directions with --verify")
+    parser.add_argument("--dir", default=None, help="work folder (default: a temporary one, removed after)")
+    args = parser.parse_args()
+
+    from loong.llm.hf_io import parse_size
+
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    exe = [sys.executable, "-m", "loong.llm.cli"]
+    hardware = host()
+    with tempfile.TemporaryDirectory(prefix="loong-convert-bench-", dir=args.dir) as tmp:
+        tmp = Path(tmp)
+        t = time.perf_counter()
+        model = write_random_hf(tmp / "hf", llama_1b(args.layers), parse_size(args.hf_shard_size))
+        model["write_s"] = round(time.perf_counter() - t, 1)
+        runs = {"baseline (imports only)": measure([sys.executable, "-c", BASELINE], env),
+                "HF -> Loong": measure([*exe, "convert", str(tmp / "hf"), str(tmp / "loong"), "--no-progress"], env),
+                "Loong -> HF": measure([*exe, "convert", str(tmp / "loong"), str(tmp / "hf2"), "--no-progress",
+                                        "--max-shard-size", args.max_shard_size], env)}
+        ckpt_bytes = sum(p.stat().st_size for p in (tmp / "loong").rglob("*.distcp"))
+        out_shards = len(list((tmp / "hf2").glob("*.safetensors")))
+        if args.verify:
+            runs["HF -> Loong --verify"] = measure([*exe, "convert", str(tmp / "hf"), str(tmp / "loong_v"),
+                                                    "--no-progress", "--verify"], env)
+            runs["Loong -> HF --verify"] = measure([*exe, "convert", str(tmp / "loong"), str(tmp / "hf_v"),
+                                                    "--no-progress", "--verify", "--max-shard-size",
+                                                    args.max_shard_size], env)
+    base = runs["baseline (imports only)"]["peak_rss_bytes"]
+    print(f"model: {model['parameters'] / 1e9:.2f} B parameters, {model['bytes'] / GIB:.2f} GiB bf16 in "
+          f"{model['shards']} shards; largest HF tensor {model['largest_hf_tensor']['bytes'] / GIB:.2f} GiB "
+          f"({model['largest_hf_tensor']['name']}); largest native tensor "
+          f"{model['largest_native_tensor_bytes'] / GIB:.2f} GiB; Loong checkpoint {ckpt_bytes / GIB:.2f} GiB; "
+          f"HF output in {out_shards} shards")
+    print(f"{'run':<24} {'peak RSS GiB':>12} {'- baseline':>11} {'x model':>8} {'wall s':>7}")
+    for name, r in runs.items():
+        r["peak_rss_gib"] = round(r["peak_rss_bytes"] / GIB, 2)
+        r["above_baseline_gib"] = round((r["peak_rss_bytes"] - base) / GIB, 2)
+        r["x_model_bytes"] = round((r["peak_rss_bytes"] - base) / model["bytes"], 2)
+        print(f"{name:<24} {r['peak_rss_gib']:>12.2f} {r['above_baseline_gib']:>11.2f} {r['x_model_bytes']:>8.2f} "
+              f"{r['wall_s']:>7.1f}")
+    result = {
+        "benchmark": "convert_memory", "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "command": "python benchmarks/convert_memory.py " + " ".join(sys.argv[1:]),
+        "model": {**model, "config": llama_1b(args.layers), "loong_checkpoint_bytes": ckpt_bytes,
+                  "hf_output_shards": out_shards},
+        "versions": versions(["loong-llm", "loong-core", "megatron-core", "torch", "safetensors", "transformers"]),
+        "hardware": {**hardware, "load_average_after": os.getloadavg()},
+        "figures": runs,
+        "notes": "peak RSS: ru_maxrss of the convert process (getrusage RUSAGE_CHILDREN in a fresh parent); "
+                 "'- baseline' subtracts the peak RSS of a process that only imports the converter; "
+                 "'x model' is that difference over the model's bf16 bytes",
+    }
+    RESULTS.mkdir(exist_ok=True)
+    path = RESULTS / f"convert_memory_cpu_{time.strftime('%Y%m%d')}.json"
+    path.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
