@@ -109,3 +109,14 @@ def test_wheel_requires_point_down(pkg: str, built_wheels: dict[str, Path]) -> N
                     f"{sorted(ALLOWED[pkg]) or 'nothing'}"
     # the wheel and the pyproject agree: a build backend that drops or adds a sibling is caught here
     assert requires - {pkg} == declared(pkg), (requires, declared(pkg))
+
+
+@pytest.mark.parametrize("pkg", ["loong-llm", "loong-vlm"])
+def test_the_megatron_packages_take_the_cores_megatron_extra(pkg: str) -> None:
+    """loong-core needs megatron-core only through its ``megatron`` extra; the packages that train on the megatron
+    engine must ask for it."""
+    from packaging.requirements import Requirement
+
+    specs = tomllib.loads((ROOT / "packages" / pkg / "pyproject.toml").read_text())["project"]["dependencies"]
+    core = [Requirement(s) for s in specs if Requirement(s).name == "loong-core"]
+    assert core and "megatron" in core[0].extras, specs
