@@ -6,22 +6,20 @@ from __future__ import annotations
 
 import json
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from loong.core.testing import clean_failure_cli, unchanged, write_checkpoint_corpus
 from loong.diffusion.cli import main
 from loong.diffusion.models.wan import WanTransformer, save_diffusers, wan_preset
 from loong.diffusion.models.wan.mapping import WEIGHTS_NAME
 
 TRAIN = ["train.steps=1", "train.progress=false", "run_name=r", "data.frames=2", "data.height=8", "data.width=8",
          "train.global_batch_size=2", "train.micro_batch_size=2"]
-
-
-def _snapshot(folder: Path) -> dict[str, bytes]:
-    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
 
 
 def _variant(src: Path, dst: Path, edit=None, config: str | None = None) -> None:  # noqa: ANN001
@@ -38,8 +36,6 @@ def _variant(src: Path, dst: Path, edit=None, config: str | None = None) -> None
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Diffusers folders, checkpoints and shard folders that are wrong in one way each, and a good checkpoint."""
-    from loong.core.checkpoint import CheckpointManager
-
     d = tmp_path_factory.mktemp("diffusion_corpus")
     torch.manual_seed(0)
     good = save_diffusers(WanTransformer(wan_preset("tiny")).state_dict(), wan_preset("tiny"), d / "good")
@@ -54,18 +50,8 @@ def corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
     shutil.copytree(good, d / "truncated")
     weights = d / "truncated" / WEIGHTS_NAME
     weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
-
-    class Weights:  # the slice of an engine the checkpoint manager needs
-        def save(self, directory: Path) -> None:
-            (directory / "weights.bin").write_bytes(b"\0" * 256)
-
-    # a loong-llm run's checkpoint: another modality's model section
-    CheckpointManager(d / "llm_ckpt" / "checkpoints").save(
-        0, Weights(), {"step": 0, "weights_only": True},
-        {"task": "pretrain", "model": {"family": "llama", "num_layers": 2, "hidden_size": 64}})
-    shutil.copytree(d / "llm_ckpt", d / "newer")
-    manifest = d / "newer" / "checkpoints" / "step_00000000" / "manifest.json"
-    manifest.write_text(json.dumps({**json.loads(manifest.read_text()), "format": 3}))
+    # foreign_ckpt: a loong-llm run's checkpoint (another modality's model section); newer_ckpt: manifest format 99
+    write_checkpoint_corpus(d)
     (d / "no_index").mkdir()
     (d / "bad_index").mkdir()
     (d / "bad_index" / "index.json").write_text('{"format": "loong-diffusion-shards", ')
@@ -74,27 +60,10 @@ def corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture
-def cli(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture):
+def cli(tmp_path: Path) -> Callable[..., str]:
     """``cli(*argv)``: run ``loong-diffusion`` from an empty cwd, assert the clean-failure contract, return the
     line."""
-    cwd, out = tmp_path / "cwd", tmp_path / "out"
-    cwd.mkdir()
-    monkeypatch.chdir(cwd)
-
-    def run(*argv: str) -> str:
-        capsys.readouterr()
-        if argv[0] == "train":
-            argv = ("train", *TRAIN, f"output_dir={out}", *argv[1:])
-        rc = main(list(argv))
-        captured = capsys.readouterr()
-        lines = captured.err.strip().splitlines()
-        assert rc == 2, (rc, captured.err[-3000:])
-        assert len(lines) == 1 and lines[0].startswith("error: "), captured.err[-3000:]
-        assert "Traceback" not in captured.err and captured.out == ""
-        assert not out.exists() and list(cwd.iterdir()) == [], "a failed command must write nothing"
-        return lines[0]
-
-    return run
+    return clean_failure_cli(main, tmp_path, train=TRAIN)
 
 
 CONVERT_CASES = [  # (source, the text the line holds; {d}: the corpus folder)
@@ -105,25 +74,23 @@ CONVERT_CASES = [  # (source, the text the line holds; {d}: the corpus folder)
     ("shape", "{d}/shape: blocks.0.attn1.to_q.weight has shape"),
     ("dtype", "{d}/dtype: blocks.0.attn1.to_q.weight is torch.int32"),
     ("truncated", "{d}/truncated/diffusion_pytorch_model.safetensors: cannot read safetensors file"),
-    ("llm_ckpt", "is not a loong-diffusion checkpoint"),
-    ("newer", "checkpoint format 3; this Loong reads format 1"),
+    ("foreign_ckpt", "is not a loong-diffusion checkpoint"),
+    ("newer_ckpt", "checkpoint format 99; this Loong reads format 1"),
 ]
 
 
 @pytest.mark.parametrize("name,expected", CONVERT_CASES, ids=[n for n, _ in CONVERT_CASES])
 def test_convert_bad_source_keeps_the_existing_output(cli, corpus: Path, tmp_path: Path, name: str,
                                                       expected: str) -> None:
-    dst = tmp_path / "dst"
-    shutil.copytree(corpus / "ckpt", dst)
-    msg = cli("convert", str(corpus / name), str(dst))
+    with unchanged(tmp_path / "dst", copy_of=corpus / "ckpt") as dst:
+        msg = cli("convert", str(corpus / name), str(dst))
     assert expected.format(d=corpus) in msg and str(corpus / name) in msg, msg
-    assert _snapshot(dst) == _snapshot(corpus / "ckpt"), "a failed conversion must not touch the existing output"
 
 
 TRAIN_CASES = [  # (override, the text the line holds)
-    ("train.resume={d}/llm_ckpt", "train.resume: {d}/llm_ckpt/checkpoints/step_00000000 is not a checkpoint of this "
-                                  "CLI's models"),
-    ("train.resume={d}/newer", "checkpoint format 3; this Loong reads format 1"),
+    ("train.resume={d}/foreign_ckpt", "train.resume: {d}/foreign_ckpt/checkpoints/step_00000000 is not a checkpoint "
+                                      "of this CLI's models"),
+    ("train.resume={d}/newer_ckpt", "checkpoint format 99; this Loong reads format 1"),
     ("model.init_from_diffusers={d}/broken_config", "{d}/broken_config/config.json: not valid JSON"),
     ("model.init_from_diffusers={d}/shape", "{d}/shape: blocks.0.attn1.to_q.weight has shape"),
     ("data.source=shards data.path={d}/no_index", "data.path: {d}/no_index has no index.json"),
@@ -138,8 +105,8 @@ def test_train_bad_input(cli, corpus: Path, override: str, expected: str) -> Non
 
 
 @pytest.mark.parametrize("name,expected", [
-    ("llm_ckpt", "is not a loong-diffusion checkpoint"),
-    ("newer", "checkpoint format 3; this Loong reads format 1"),
+    ("foreign_ckpt", "is not a loong-diffusion checkpoint"),
+    ("newer_ckpt", "checkpoint format 99; this Loong reads format 1"),
 ])
 def test_sample_refuses_a_bad_model(cli, corpus: Path, tmp_path: Path, name: str, expected: str) -> None:
     gif = tmp_path / "sample.gif"

@@ -127,6 +127,33 @@ def test_convert_writes_the_same_loadable_folder(exported: dict) -> None:
     _assert_same_loss_in_lerobot(dst, loaded)
 
 
+def test_convert_verify_passes_both_ways_and_fails_on_a_tampered_folder(exported: dict) -> None:
+    """``convert --verify``: Loong -> lerobot and lerobot -> Loong reread both sides and match bit for bit; a
+    tensor changed in the written model.safetensors fails the check (exit 2 for the CLI), naming it."""
+    from safetensors.torch import load_file, save_file
+
+    from loong.core.checkpoint.safetensors_io import VerifyError
+    from loong.embodied.inference import load_policy
+    from loong.embodied.lerobot_io import verify_export
+
+    dst = exported["root"] / "verified"
+    rc, log = _main("convert", str(exported["run_dir"]), str(dst), "--verify", "--no-progress")
+    assert rc == 0, log
+    file = load_file(str(dst / "model.safetensors"))
+    assert f"verify: {len(file)} tensors, {sum(v.numel() for v in file.values()):,} parameters match bit for bit " \
+           "(lerobot float32 / Loong float32)" in log, log
+    rc, log = _main("convert", str(dst), str(exported["root"] / "back"), "--verify", "--no-progress")
+    assert rc == 0, log
+    assert "parameters match bit for bit (Loong float32 / lerobot float32)" in log, log
+    name = sorted(file)[3]
+    file[name] = file[name].clone()
+    file[name].view(-1)[2] += 1
+    save_file(file, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    loaded = load_policy(exported["run_dir"], device="cpu", dtype="fp32")
+    with pytest.raises(VerifyError, match=rf"verify: {name} differs between {dst / 'model.safetensors'} and "):
+        verify_export(dst, loaded.name, loaded.config, loaded.policy.state_dict(), loaded.processor)
+
+
 def test_init_from_the_export_starts_from_its_weights(exported: dict) -> None:
     """A run from the lerobot folder at lr 0: its checkpoint holds exactly the exported weights (API and CLI)."""
     from loong.embodied.inference import load_policy

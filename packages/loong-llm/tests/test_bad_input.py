@@ -5,10 +5,12 @@ Each case runs the real CLI in-process (``main([...])``) from an empty working d
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
+from loong.core.testing import clean_failure_cli, unchanged, write_checkpoint_corpus
 from loong.llm.cli import main
 
 BASE = ["train.steps=2", "train.seq_length=32", "train.global_batch_size=4", "train.micro_batch_size=2",
@@ -33,27 +35,11 @@ def inputs(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture
-def cli(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture):
-    """Run ``loong-llm ARGS`` from an empty cwd; assert the clean-failure contract; return the message."""
-    cwd = tmp_path / "cwd"
-    cwd.mkdir()
-    monkeypatch.chdir(cwd)
-    out = tmp_path / "out"
-
-    def run(*args: str, train: bool = True) -> str:
-        capsys.readouterr()
-        argv = ["train", *BASE, f"output_dir={out}", *args] if train else list(args)
-        rc = main(argv)
-        captured = capsys.readouterr()
-        lines = captured.err.strip().splitlines()
-        assert rc == 2, (rc, captured.err[-3000:])
-        assert len(lines) == 1 and lines[0].startswith("error: "), captured.err[-3000:]
-        assert "Traceback" not in captured.err and captured.out == ""
-        assert not out.exists(), "a failed run must not create its output directory"
-        assert list(cwd.iterdir()) == [], "a failed run must not write into the working directory"
-        return lines[0]
-
-    return run
+def cli(tmp_path: Path) -> Callable[..., str]:
+    """``cli(*overrides)``: ``loong-llm train BASE ...`` (``train=False``: ``loong-llm ARGS``) from an empty cwd,
+    the clean-failure contract asserted (``loong.core.testing.expect_clean_failure``); returns the error line."""
+    run = clean_failure_cli(main, tmp_path, train=BASE)
+    return lambda *args, train=True: run("train", *args) if train else run(*args)
 
 
 def test_unknown_preset(cli) -> None:
@@ -168,9 +154,6 @@ def _rewrite_hf(src: Path, dst: Path, config: dict | None = None, edit=None) -> 
 def corpus(tiny_llama_hf: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """The bad inputs of every kind, built once: data files, tokenizer folders, HF folders, checkpoints, plus a
     good preprocess output and a good HF export (what a failed run must leave byte for byte)."""
-    import json
-    import shutil
-
     import torch
 
     d = tmp_path_factory.mktemp("corpus")
@@ -195,34 +178,15 @@ def corpus(tiny_llama_hf: Path, tmp_path_factory: pytest.TempPathFactory) -> dic
     _rewrite_hf(hf, d / "hf_dtype", edit=lambda t: t.update(
         {"model.norm.weight": torch.ones(64, dtype=torch.int32)}))
     _rewrite_hf(hf, d / "hf_mismatch", config={"intermediate_size": 256})  # the weights are 128 wide
-    # a Loong checkpoint (HF -> Loong) and its broken copies
+    # a Loong checkpoint (HF -> Loong), its truncated and newer-format copies, and a checkpoint of another
+    # modality (a diffusion run's config)
     assert main(["convert", str(hf), str(d / "ckpt")]) == 0
-    step = d / "ckpt" / "checkpoints" / "step_00000000"
-    shutil.copytree(d / "ckpt", d / "ckpt_truncated")
-    shard = max((p for p in (d / "ckpt_truncated" / "checkpoints" / step.name).rglob("*") if p.is_file()),
-                key=lambda p: p.stat().st_size)
-    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
-    shutil.copytree(d / "ckpt", d / "ckpt_newer")
-    manifest = d / "ckpt_newer" / "checkpoints" / step.name / "manifest.json"
-    manifest.write_text(json.dumps({**json.loads(manifest.read_text()), "format": 99}))
-    # a checkpoint of another modality: a diffusion run's config, written by the core's manager
-    from loong.core.checkpoint import CheckpointManager
-
-    class OneTensor:
-        def save(self, directory: Path) -> None:
-            (directory / "weights.pt").write_bytes(b"\0" * 64)
-
-    CheckpointManager(d / "foreign" / "checkpoints").save(
-        0, OneTensor(), {"step": 0, "weights_only": True},
-        {"task": "diffusion", "engine": "fsdp", "model": {"preset": "tiny", "patch_size": [1, 2, 2]}})
+    write_checkpoint_corpus(d, base=d / "ckpt", config={"task": "diffusion", "engine": "fsdp",
+                                                         "model": {"preset": "tiny", "patch_size": [1, 2, 2]}})
     assert main(["convert", str(d / "ckpt"), str(d / "hf_good")]) == 0
     assert main(["preprocess", str(d / "good.jsonl"), "--output-prefix", str(d / "pre" / "p"), "--workers", "1",
                  "--no-progress"]) == 0
     return d
-
-
-def _snapshot(folder: Path) -> dict[str, bytes]:
-    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
 
 
 PREPROCESS_CASES = [  # (input file, extra args, what the line must hold; "{f}": the input's path)
@@ -240,13 +204,12 @@ PREPROCESS_CASES = [  # (input file, extra args, what the line must hold; "{f}":
 @pytest.mark.parametrize("name,extra,expected", PREPROCESS_CASES, ids=[f"{n}{' '.join(e)}" for n, e, _ in
                                                                         PREPROCESS_CASES])
 def test_preprocess_bad_input(cli, corpus: Path, name: str, extra: list[str], expected: str) -> None:
-    before = _snapshot(corpus / "pre")
     f = corpus / name
     args = [a.format(d=corpus) for a in extra]
-    msg = cli("preprocess", str(f), "--output-prefix", str(corpus / "pre" / "p"), "--workers", "1", "--no-progress",
-              *args, train=False)
+    with unchanged(corpus / "pre"):  # a failed preprocess must leave the earlier output as it was
+        msg = cli("preprocess", str(f), "--output-prefix", str(corpus / "pre" / "p"), "--workers", "1",
+                  "--no-progress", *args, train=False)
     assert expected.format(f=f, d=corpus) in msg and len(msg) < 400, msg
-    assert _snapshot(corpus / "pre") == before, "a failed preprocess must leave the earlier output as it was"
 
 
 def test_preprocess_skip_policy_counts_the_bad_lines(corpus: Path, tmp_path: Path,
@@ -288,14 +251,9 @@ HF_CASES = [  # (HF folder, what the line must hold)
 @pytest.mark.parametrize("name,expected", HF_CASES, ids=[n for n, _ in HF_CASES])
 def test_convert_bad_hf_folder_keeps_the_existing_output(cli, corpus: Path, tmp_path: Path, name: str,
                                                          expected: str) -> None:
-    import shutil
-
-    dst = tmp_path / "dst"
-    shutil.copytree(corpus / "ckpt", dst)  # a good earlier conversion there
-    before = _snapshot(dst)
-    msg = cli("convert", str(corpus / name), str(dst), train=False)
+    with unchanged(tmp_path / "dst", copy_of=corpus / "ckpt") as dst:  # a good earlier conversion there
+        msg = cli("convert", str(corpus / name), str(dst), train=False)
     assert expected.format(d=corpus) in msg, msg
-    assert _snapshot(dst) == before, "a failed conversion must not touch the existing output"
 
 
 @pytest.mark.parametrize("name", ["hf_missing", "hf_shape"])
@@ -305,9 +263,9 @@ def test_init_from_bad_hf_folder(cli, corpus: Path, name: str) -> None:
 
 
 CKPT_CASES = [  # (checkpoint, what the line must hold)
-    ("ckpt_truncated", "bytes, the manifest says"),
-    ("ckpt_newer", "checkpoint format 99; this Loong reads format 1"),
-    ("foreign", "is not a"),  # convert: "a loong-llm checkpoint"; train: "a checkpoint of this CLI's models"
+    ("truncated_ckpt", "bytes, the manifest says"),
+    ("newer_ckpt", "checkpoint format 99; this Loong reads format 1"),
+    ("foreign_ckpt", "is not a"),  # convert: "a loong-llm checkpoint"; train: "a checkpoint of this CLI's models"
 ]
 
 
@@ -316,13 +274,8 @@ CKPT_CASES = [  # (checkpoint, what the line must hold)
 def test_bad_checkpoint(cli, corpus: Path, tmp_path: Path, verb: str, name: str, expected: str) -> None:
     src = corpus / name
     if verb == "convert":
-        dst = tmp_path / "hf"
-        import shutil
-
-        shutil.copytree(corpus / "hf_good", dst)
-        before = _snapshot(dst)
-        msg = cli("convert", str(src), str(dst), train=False)
-        assert _snapshot(dst) == before, "a failed conversion must not touch the existing output"
+        with unchanged(tmp_path / "hf", copy_of=corpus / "hf_good") as dst:
+            msg = cli("convert", str(src), str(dst), train=False)
     else:
         msg = cli(f"train.resume={src}")
     assert str(src) in msg and expected in msg, msg

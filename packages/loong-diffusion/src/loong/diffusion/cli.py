@@ -62,14 +62,26 @@ def _setup_convert(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ema", action="store_true",
                    help="write the checkpoint's moving averages of the weights (train.ema_decay) instead of the "
                         "weights (Loong -> diffusers)")
+    p.add_argument("--max-shard-size", default="10GiB", metavar="SIZE",
+                   help="largest safetensors shard written (Loong -> diffusers), e.g. 10GiB, 500MB (default: 10GiB, "
+                        "diffusers' own); more than one shard comes with diffusion_pytorch_model.safetensors.index.json")
+    p.add_argument("--verify", action="store_true",
+                   help="after converting, reread both sides and compare every tensor bit for bit (exit 2 on the "
+                        "first that differs)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
 def _run_convert(args: argparse.Namespace) -> int:
+    from loong.core.checkpoint.safetensors_io import parse_size
     from loong.diffusion.convert import convert
 
-    out = convert(args.src, args.dst, dtype=args.dtype, ema=args.ema)
+    out, summary = convert(args.src, args.dst, dtype=args.dtype, ema=args.ema,
+                           max_shard_bytes=parse_size(args.max_shard_size), progress=not args.no_progress,
+                           check=args.verify)
     hint = f"; train from it: loong-diffusion train train.resume={args.dst}" if out.name.startswith("step_") else ""
     print(f"wrote {out}{hint}", file=sys.stderr)
+    if summary is not None:
+        print(summary, file=sys.stderr)
     return 0
 
 

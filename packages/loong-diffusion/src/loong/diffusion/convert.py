@@ -12,12 +12,16 @@ direction comes from SRC.
 
 Both directions keep the stored dtype unless told otherwise, so diffusers → Loong → diffusers gives back the
 same tensors and ``config.json``, bit for bit. The mapping is ``models.wan.mapping``'s; nothing is unpickled.
+Diffusers folders are read single-file or sharded and written in shards of at most ``max_shard_bytes`` with
+diffusers' index (the core's :mod:`~loong.core.checkpoint.safetensors_io`); :func:`verify` rereads both sides
+and compares every tensor bit for bit. The model is held whole in both directions (a Wan's weights, once).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import time
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +29,12 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from loong.core.checkpoint import CheckpointManager, read_config, read_state, resolve_checkpoint
+from loong.core.checkpoint.safetensors_io import (
+    SafetensorsFolder,
+    compare_tensors,
+    progress_bar,
+    verify_summary,
+)
 from loong.core.config.schema import from_dict, to_dict
 from loong.core.engines.fsdp.checkpoint import EMA_KEY, check_same_model
 from loong.core.errors import LoongError
@@ -33,10 +43,14 @@ from loong.diffusion.models.wan import WanConfig, WanTransformer, config_from_di
 from loong.diffusion.models.wan.config import PRESETS
 from loong.diffusion.models.wan.mapping import (
     CONFIG_NAME,
+    IGNORED,
     KEEP_FP32,
+    MAX_SHARD_BYTES,
+    WEIGHTS_STEM,
     check_diffusers_weights,
     from_diffusers,
     read_diffusers_folder,
+    to_diffusers,
 )
 from loong.diffusion.schema import WAN_FIELDS, DiffusionRunConfig, WanModelConfig
 
@@ -145,12 +159,17 @@ def split_modules(state: dict[str, torch.Tensor]) -> dict[str, dict[str, torch.T
     return out
 
 
-def write_diffusers(states: dict[str, dict[str, torch.Tensor]], wan: WanConfig, dst: str | Path) -> Path:
+def write_diffusers(states: dict[str, dict[str, torch.Tensor]], wan: WanConfig, dst: str | Path,
+                    max_shard_bytes: int = MAX_SHARD_BYTES, progress: bool = False) -> Path:
     """Write :attr:`Checkpoint.states`-like Wan state dicts as diffusers folders: one model to ``dst``, both A14B
-    experts to ``dst/transformer`` and ``dst/transformer_2``. Returns ``dst``."""
+    experts to ``dst/transformer`` and ``dst/transformer_2``; each sharded with diffusers' index above
+    ``max_shard_bytes``. Returns ``dst``."""
     dst = Path(dst)
-    for expert, state in states.items():
-        save_diffusers(state, wan, dst / PIPELINE_FOLDERS[expert] if expert else dst)
+    with progress_bar(progress, "convert") as bar:
+        task = bar.add_task("convert", total=sum(v.numel() for s in states.values() for v in s.values()), name="")
+        for expert, state in states.items():
+            save_diffusers(state, wan, dst / PIPELINE_FOLDERS[expert] if expert else dst,
+                           max_shard_bytes=max_shard_bytes, progress=(bar, task))
     return dst
 
 
@@ -206,7 +225,8 @@ def load_model(state: dict[str, torch.Tensor], wan: WanConfig, dtype: torch.dtyp
     return model
 
 
-def loong_to_diffusers(src: Path, dst: Path, dtype: str = "auto", ema: bool = False) -> Path:
+def loong_to_diffusers(src: Path, dst: Path, dtype: str = "auto", ema: bool = False,
+                       max_shard_bytes: int = MAX_SHARD_BYTES, progress: bool = False) -> Path:
     """Write a Loong checkpoint's Wan weights (or, ``ema``, their moving averages) as a diffusers folder ``dst``;
     a checkpoint of both A14B experts as ``dst/transformer`` (high-noise) and ``dst/transformer_2`` (low-noise),
     the folders of a diffusers Wan 2.2 pipeline."""
@@ -214,12 +234,44 @@ def loong_to_diffusers(src: Path, dst: Path, dtype: str = "auto", ema: bool = Fa
     target = DTYPES.get(dtype)
     states = {e: {k: v.to(target) if target is not None and v.is_floating_point() else v for k, v in state.items()}
               for e, state in ckpt.states.items()}
-    return write_diffusers(states, ckpt.wan, dst)
+    return write_diffusers(states, ckpt.wan, dst, max_shard_bytes, progress)
 
 
-def convert(src: str | Path, dst: str | Path, dtype: str = "auto", ema: bool = False) -> Path:
-    """Convert in the direction ``src`` implies; returns what was written. Nothing is written when ``src`` is not
-    understood. ``ema``: export a checkpoint's moving averages (Loong → diffusers only)."""
+def _folder(path: Path) -> SafetensorsFolder:
+    return SafetensorsFolder(path, stem=WEIGHTS_STEM, what="diffusers folder")
+
+
+def verify(diffusers: str | Path, checkpoint: str | Path, into: str, ema: bool = False, progress: bool = False
+           ) -> str:
+    """Reread both sides of a conversion and compare every tensor under diffusers' names (the checkpoint's Wan
+    weights through :func:`~loong.diffusion.models.wan.mapping.to_diffusers`); a one-line summary.
+
+    ``into``: the side that was written (``"diffusers"`` or ``"loong"``); the other side is cast to its dtype and
+    must then match bit for bit, with the same names (diffusers' ignored keys aside). ``ema``: the checkpoint side
+    is its moving averages. Raises :class:`~loong.core.checkpoint.safetensors_io.VerifyError` on the first
+    tensor that differs.
+    """
+    start = time.perf_counter()
+    ckpt = read_checkpoint(checkpoint, ema=ema)
+    root = Path(diffusers)
+    results = []
+    for expert, state in ckpt.states.items():
+        folder = root / PIPELINE_FOLDERS[expert] if expert else root
+        hf, native = _folder(folder), to_diffusers(state)
+        hf_name, ckpt_name = str(folder), str(ckpt.step_dir) + (f" ({expert})" if expert else "")
+        sides = (hf, native, hf_name, ckpt_name) if into == "diffusers" else (native, hf, ckpt_name, hf_name)
+        results.append(compare_tensors(*sides, ignore=lambda k: bool(IGNORED.search(k)), progress=progress))
+    written, source = ("diffusers", "Loong") if into == "diffusers" else ("Loong", "diffusers")
+    return verify_summary(results, written, source, start)
+
+
+def convert(src: str | Path, dst: str | Path, dtype: str = "auto", ema: bool = False,
+            max_shard_bytes: int = MAX_SHARD_BYTES, progress: bool = False, check: bool = False
+            ) -> tuple[Path, str | None]:
+    """Convert in the direction ``src`` implies; ``(what was written, the verify summary or None)``. Nothing is
+    written when ``src`` is not understood. ``ema``: export a checkpoint's moving averages (Loong → diffusers
+    only); ``max_shard_bytes``: the diffusers shard size (Loong → diffusers only); ``check``: reread both sides
+    and compare every tensor afterwards (:func:`verify`)."""
     src_p, dst_p = Path(src), Path(dst)
     if not src_p.exists():
         raise LoongError(f"{src} does not exist")
@@ -230,7 +282,8 @@ def convert(src: str | Path, dst: str | Path, dtype: str = "auto", ema: bool = F
             raise LoongError(f"--ema exports a Loong checkpoint's moving averages; {src} is a diffusers folder")
         if not is_diffusers_folder(src_p):  # a whole pipeline: read_diffusers_folder says to pass transformer/
             read_diffusers_folder(src_p)
-        return diffusers_to_loong(src_p, dst_p, dtype)
+        out = diffusers_to_loong(src_p, dst_p, dtype)
+        return out, verify(src_p, out, "loong", progress=progress) if check else None
     try:
         resolve_checkpoint(src_p, verify=False)  # is it a checkpoint at all? (integrity: when read)
     except LoongError as exc:
@@ -238,8 +291,10 @@ def convert(src: str | Path, dst: str | Path, dtype: str = "auto", ema: bool = F
             raise
         raise LoongError(f"{src} is neither a diffusers transformer folder (no {CONFIG_NAME}) nor a Loong checkpoint "
                          "(no manifest.json, trainer_state.json or step_* directories)") from None
-    return loong_to_diffusers(src_p, dst_p, dtype, ema=ema)
+    out = loong_to_diffusers(src_p, dst_p, dtype, ema=ema, max_shard_bytes=max_shard_bytes, progress=progress)
+    return out, verify(out, src_p, "diffusers", ema=ema, progress=progress) if check else None
 
 
 __all__ = ["DTYPES", "MODEL_PREFIX", "Checkpoint", "convert", "diffusers_to_loong", "is_diffusers_folder",
-           "load_model", "loong_to_diffusers", "model_config_for", "read_checkpoint", "split_modules", "write_diffusers"]
+           "load_model", "loong_to_diffusers", "model_config_for", "read_checkpoint", "split_modules", "verify",
+           "write_diffusers"]

@@ -68,18 +68,28 @@ def _setup_convert(p: argparse.ArgumentParser) -> None:
                    help="a policy trained on a mix of datasets: the dataset (its index in data.repo_root, its folder "
                         "or folder name) whose normalisation statistics and embodiment the lerobot folder carries "
                         "(default: 0, the first; Loong -> lerobot)")
+    p.add_argument("--verify", action="store_true",
+                   help="after converting, reread both sides and compare every tensor bit for bit (exit 2 on the "
+                        "first that differs)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar (of --verify)")
 
 
 def _run_convert(args: argparse.Namespace) -> int:
     src, dst = Path(args.src).expanduser(), Path(args.dst).expanduser()
     if (src / "config.json").is_file() and (src / "model.safetensors").is_file():
+        from loong.embodied.lerobot_io import verify_import
+
         out = _lerobot_to_loong(src, dst)
         print(f"wrote {out} (weights only); fine-tune from it: loong-embodied train train.resume={out} "
               f"data.repo_root=DATASET, or start from the lerobot folder itself: model.init_from={src}",
               file=sys.stderr)
+        if args.verify:
+            print(verify_import(src, out, progress=not args.no_progress), file=sys.stderr)
         return 0
+    import time
+
     from loong.embodied.inference import load_policy
-    from loong.embodied.lerobot_io import export_lerobot
+    from loong.embodied.lerobot_io import export_lerobot, verify_export
 
     loaded = load_policy(src, ema=args.ema, device="cpu", dtype="fp32")
     out = export_lerobot(loaded.name, loaded.config, loaded.policy.state_dict(), loaded.processor, dst,
@@ -87,6 +97,11 @@ def _run_convert(args: argparse.Namespace) -> int:
     weights = "moving averages of the weights" if args.ema else "weights"
     print(f"wrote {out}: lerobot {loaded.name} policy ({weights} of {loaded.step_dir}); load it with lerobot's "
           "from_pretrained", file=sys.stderr)
+    if args.verify:  # the checkpoint reread (a fresh load, not the policy just written from), through the mapping
+        start = time.perf_counter()
+        again = load_policy(src, ema=args.ema, device="cpu", dtype="fp32")
+        print(verify_export(out, again.name, again.config, again.policy.state_dict(), again.processor,
+                            source=args.dataset_index, progress=not args.no_progress, start=start), file=sys.stderr)
     return 0
 
 

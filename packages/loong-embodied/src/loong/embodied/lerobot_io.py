@@ -25,12 +25,14 @@ import importlib
 import inspect
 import json
 import logging
+import time
 from pathlib import Path
 from types import ModuleType
 from typing import Any
 
 import torch
 
+from loong.core.checkpoint.safetensors_io import SafetensorsFolder, compare_tensors, verify_summary
 from loong.core.errors import LoongError
 from loong.embodied.policies import POLICIES
 from loong.embodied.policies.base import PolicyConfig, PolicyProcessor
@@ -188,4 +190,46 @@ def import_lerobot(src: str | Path, **overrides: Any
     return policy_name, config, state_dict, read_lerobot_stats(src)
 
 
-__all__ = ["export_lerobot", "import_lerobot", "mapping_of", "read_lerobot_stats"]
+def verify_export(dst: str | Path, policy_name: str, config: PolicyConfig, state_dict: dict[str, torch.Tensor],
+                  processor: PolicyProcessor, *, source: int | str | None = None, progress: bool = False,
+                  start: float | None = None) -> str:
+    """``--verify`` of an :func:`export_lerobot`: the folder's ``model.safetensors``, reread, against the policy's
+    ``state_dict`` (reread from the checkpoint by the caller) through the mapping's ``to_lerobot`` (lerobot's
+    names; the tied copies lerobot re-ties are not in the file), cast to the file's dtype, bit for bit, the same
+    names. A one-line summary; :class:`~loong.core.checkpoint.safetensors_io.VerifyError` on the first
+    difference."""
+    start = time.perf_counter() if start is None else start
+    mapping = mapping_of(policy_name)
+    dst = Path(dst)
+    index = _export_source(processor, source)
+    extra = getattr(mapping, "export_options", None)
+    options = extra(config, state_dict, None) if extra else {}  # the options only: nothing is written again
+    _, expected = mapping.to_lerobot(config, state_dict, processor, **_with_source(mapping.to_lerobot, index),
+                                     **options)
+    tied = set(getattr(mapping, "TIED_IN_FILE", ()))
+    expected = {k: v for k, v in expected.items() if k not in tied}
+    written = SafetensorsFolder(dst, stem=WEIGHTS_FILE.removesuffix(".safetensors"), what="lerobot policy folder")
+    result = compare_tensors(written, expected, str(dst / WEIGHTS_FILE), "the checkpoint", progress=progress)
+    return verify_summary([result], "lerobot", "Loong", start)
+
+
+def verify_import(src: str | Path, step_dir: str | Path, *, progress: bool = False) -> str:
+    """``--verify`` of a lerobot folder → Loong checkpoint: the checkpoint's model tensors, reread from its DCP
+    files, against the folder reread through :func:`import_lerobot` (the mapping's ``from_lerobot``: Loong's
+    names), cast to the checkpoint's dtype, bit for bit, the same names. A one-line summary;
+    :class:`~loong.core.checkpoint.safetensors_io.VerifyError` on the first difference."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    start = time.perf_counter()
+    _, _, source, _ = import_lerobot(src)
+    step_dir = Path(step_dir)
+    meta = dcp.FileSystemReader(str(step_dir)).read_metadata().state_dict_metadata
+    tensors = {k.removeprefix("model."): torch.empty(tuple(v.size), dtype=v.properties.dtype)
+               for k, v in meta.items() if k.startswith("model.") and isinstance(v, TensorStorageMetadata)}
+    dcp.load({"model": tensors}, checkpoint_id=str(step_dir))  # in place; needs no process group
+    result = compare_tensors(tensors, source, str(step_dir), str(src), progress=progress)
+    return verify_summary([result], "Loong", "lerobot", start)
+
+
+__all__ = ["export_lerobot", "import_lerobot", "mapping_of", "read_lerobot_stats", "verify_export", "verify_import"]

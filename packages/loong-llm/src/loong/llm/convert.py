@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from loong.core.checkpoint import CheckpointManager, resolve_checkpoint
+from loong.core.checkpoint.safetensors_io import VerifyError, first_difference, progress_bar
 from loong.core.errors import LoongError
 from loong.llm.hf_io import DEFAULT_MAX_SHARD_BYTES, HFTensors, ShardWriter, write_hf_metadata
 from loong.llm.models.config import DenseModelConfig
@@ -40,10 +41,6 @@ from loong.llm.models.hf_mapping import (
 
 _DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
-
-
-class VerifyError(LoongError):
-    """``--verify`` found a tensor that differs between the two sides (exit code 2)."""
 
 
 class _WeightsOnly:
@@ -87,13 +84,8 @@ class CheckpointTensors:
 
 
 def _progress(enabled: bool, what: str) -> Any:
-    """A rich progress bar on stderr (as ``preprocess`` draws), counting parameters."""
-    from rich.console import Console
-    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
-
-    return Progress(TextColumn(f"[bold]{what}"), BarColumn(), TextColumn("{task.percentage:>3.0f}%"),
-                    TextColumn("{task.fields[name]}"), TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(),
-                    console=Console(stderr=True), disable=not enabled)
+    """The core's progress bar (counting parameters here)."""
+    return progress_bar(enabled, what)
 
 
 def _numel(shape: tuple[int, ...]) -> int:
@@ -300,15 +292,6 @@ def loong_to_hf(src: Path, dst: Path, dtype: str = "auto", merge_lora: bool = Fa
                              tokenizer_dir=tokenizer if tokenizer.is_dir() else None)
 
 
-def _first_difference(a: torch.Tensor, b: torch.Tensor) -> str:
-    """Where two same-shape tensors differ, for a person."""
-    diff = (a.float() - b.float()).abs()
-    bad = (a.view(torch.uint8) != b.view(torch.uint8)).view(*a.shape, -1).any(-1) if a.dim() else diff > 0
-    idx = tuple(int(i) for i in bad.nonzero()[0]) if bad.any() else ()
-    return (f"{int(bad.sum())} of {a.numel()} elements differ, first at {list(idx)} "
-            f"({a[idx].item()!r} vs {b[idx].item()!r}), max |diff| {diff.max().item():.3g}")
-
-
 def verify(hf_folder: str | Path, checkpoint: str | Path, into: str, merge_lora: bool = False,
            progress: bool = False) -> str:
     """Reread both sides of a conversion and compare every tensor; a one-line summary.
@@ -347,7 +330,7 @@ def verify(hf_folder: str | Path, checkpoint: str | Path, into: str, merge_lora:
             a, b = theirs.contiguous(), ours.contiguous()
             if not torch.equal(a.view(torch.uint8), b.view(torch.uint8)):
                 raise VerifyError(f"verify: {where} differs between {hf.folder / hf.file_of(name)} and {step_dir}: "
-                                  f"{_first_difference(a, b)}")
+                                  f"{first_difference(a, b)}")
             count += 1
             numel += ours.numel()
             bar.advance(task, ours.numel())

@@ -56,13 +56,25 @@ def _setup_convert(p: argparse.ArgumentParser) -> None:
                    help="dtype of the written weights (auto: as saved; fp32 for the Loong checkpoint of an HF folder)")
     p.add_argument("--processor", default=None, metavar="DIR",
                    help="Loong -> HF: the processor folder to write beside the weights (default: the checkpoint's)")
+    p.add_argument("--max-shard-size", default="5GB", metavar="SIZE",
+                   help="largest safetensors shard written (Loong -> HF), e.g. 5GB, 500MB, 2GiB (default: 5GB); "
+                        "more than one shard comes with model.safetensors.index.json")
+    p.add_argument("--verify", action="store_true",
+                   help="after converting, reread both sides and compare every tensor bit for bit (exit 2 on the "
+                        "first that differs)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
 def _run_convert(args: argparse.Namespace) -> int:
+    from loong.core.checkpoint.safetensors_io import parse_size
     from loong.vlm.convert import convert
 
-    out = convert(args.src, args.dst, dtype=args.dtype, processor=args.processor)
+    out, summary = convert(args.src, args.dst, dtype=args.dtype, processor=args.processor,
+                           max_shard_bytes=parse_size(args.max_shard_size), progress=not args.no_progress,
+                           check=args.verify)
     print(f"wrote {out}", file=sys.stderr)
+    if summary is not None:
+        print(summary, file=sys.stderr)
     return 0
 
 

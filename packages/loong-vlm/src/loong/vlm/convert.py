@@ -6,11 +6,14 @@ An HF folder (``Qwen2_5_VLForConditionalGeneration``, ``Qwen3VLForConditionalGen
 checkpoint under ``DST/checkpoints`` (layout-independent: ``loong-vlm train train.resume=DST`` starts a fresh run
 from its weights at any TP/PP, its config setting the shapes), with the folder's processor beside it when it
 has one. A Loong checkpoint (a run, its ``checkpoints`` folder or one step) becomes an HF folder that
-``from_pretrained`` loads, with the processor the checkpoint was trained with (or ``--processor DIR``).
+``from_pretrained`` loads, with the processor the checkpoint was trained with (or ``--processor DIR``), in
+safetensors shards of at most ``max_shard_bytes`` with ``model.safetensors.index.json``. :func:`verify` rereads
+both sides and compares every tensor bit for bit. Both directions hold the whole model once (not streamed).
 """
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any
 
@@ -18,14 +21,22 @@ import torch
 
 from loong.core.accelerators import select_accelerator
 from loong.core.checkpoint import CheckpointManager, read_config, resolve_checkpoint
+from loong.core.checkpoint.safetensors_io import (
+    DEFAULT_MAX_SHARD_BYTES,
+    SafetensorsFolder,
+    compare_tensors,
+    verify_summary,
+)
 from loong.core.config.schema import ParallelConfig, from_dict, to_dict
 from loong.core.engines.megatron.layout import world
 from loong.core.errors import LoongError
 from loong.vlm.hf import (
     has_processor,
+    layout_of,
     load_hf_into,
     load_processor_folder,
     native_shapes,
+    native_to_hf,
     parts_from_folder,
     write_hf,
 )
@@ -113,21 +124,11 @@ def hf_to_loong(src: Path, dst: Path, dtype: str = "auto") -> Path:
     return dst / "checkpoints"
 
 
-def loong_to_hf(src: Path, dst: Path, dtype: str = "auto", processor: str | Path | None = None) -> Path:
-    """Export a Loong VLM checkpoint (any layout it was saved at) as an HF folder with its processor
-    (``processor``: a processor folder instead of the checkpoint's own)."""
+def read_native(step_dir: Path, parts: VLMParts) -> dict[str, torch.Tensor]:
+    """The whole native model state of a loong-vlm step directory (whole tensors in their saved dtype, whatever
+    layout wrote them), checked against ``parts``' names and shapes."""
     from megatron.core.dist_checkpointing.serialization import load_plain_tensors
 
-    step_dir = resolve_checkpoint(src)
-    parts = checkpoint_parts(step_dir)
-    check_parts(parts, "convert to a Hugging Face folder")
-    proc_dir = Path(processor) if processor is not None else step_dir / "processor"
-    if not has_processor(proc_dir):
-        where = f"--processor {processor}" if processor is not None else f"{step_dir} (no processor/ beside it)"
-        raise LoongError(f"{where}: no processor folder; the HF folder's config takes its placeholder token ids "
-                         "from the processor's tokenizer: pass --processor DIR")
-    proc = load_processor_folder(proc_dir)
-    hf_config_of(parts, proc)  # refuse a misfit processor before reading the weights
     with world(select_accelerator("cpu"), ParallelConfig()):
         plain = load_plain_tensors(str(step_dir))
     wanted = native_shapes(parts)
@@ -138,19 +139,64 @@ def loong_to_hf(src: Path, dst: Path, dtype: str = "auto", processor: str | Path
     if bad:
         raise LoongError(f"{step_dir}: {bad[0]} has shape {tuple(plain[bad[0]].shape)}, its config implies "
                          f"{wanted[bad[0]]}")
-    native = {k: plain[k] for k in wanted}
+    return {k: plain[k] for k in wanted}
+
+
+def loong_to_hf(src: Path, dst: Path, dtype: str = "auto", processor: str | Path | None = None,
+                max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, progress: bool = False) -> Path:
+    """Export a Loong VLM checkpoint (any layout it was saved at) as an HF folder with its processor
+    (``processor``: a processor folder instead of the checkpoint's own), sharded above ``max_shard_bytes``."""
+    step_dir = resolve_checkpoint(src)
+    parts = checkpoint_parts(step_dir)
+    check_parts(parts, "convert to a Hugging Face folder")
+    proc_dir = Path(processor) if processor is not None else step_dir / "processor"
+    if not has_processor(proc_dir):
+        where = f"--processor {processor}" if processor is not None else f"{step_dir} (no processor/ beside it)"
+        raise LoongError(f"{where}: no processor folder; the HF folder's config takes its placeholder token ids "
+                         "from the processor's tokenizer: pass --processor DIR")
+    proc = load_processor_folder(proc_dir)
+    hf_config_of(parts, proc)  # refuse a misfit processor before reading the weights
+    native = read_native(step_dir, parts)
     saved_dtype = native["foundation.embedding.word_embeddings.weight"].dtype
-    return write_hf(native, parts, dst, DTYPES.get(dtype, saved_dtype), proc)
+    return write_hf(native, parts, dst, DTYPES.get(dtype, saved_dtype), proc, max_shard_bytes=max_shard_bytes,
+                    progress=progress)
+
+
+def verify(hf_folder: str | Path, checkpoint: str | Path, into: str, progress: bool = False) -> str:
+    """Reread both sides of a conversion and compare every tensor under HF names (the checkpoint's native state
+    through :func:`~loong.vlm.hf.native_to_hf`, in the HF folder's own layout); a one-line summary.
+
+    ``into``: the side that was written (``"hf"`` or ``"loong"``); the other side is cast to its dtype and must then
+    match bit for bit, with the same names. Raises :class:`~loong.core.checkpoint.safetensors_io.VerifyError` on the
+    first tensor that differs.
+    """
+    start = time.perf_counter()
+    step_dir = resolve_checkpoint(Path(checkpoint))
+    parts = checkpoint_parts(step_dir)
+    hf = SafetensorsFolder(hf_folder, what="Hugging Face model folder")
+    # the layout (legacy names, expert form) is read from the names and shapes alone: meta tensors, no data
+    layout = layout_of({k: torch.empty(hf.meta(k)[0], dtype=hf.meta(k)[1], device="meta") for k in hf.keys()},
+                       parts)
+    ours = native_to_hf(read_native(step_dir, parts), parts, layout)
+    hf_name, ckpt_name = str(hf.folder), str(step_dir)
+    sides = (hf, ours, hf_name, ckpt_name) if into == "hf" else (ours, hf, ckpt_name, hf_name)
+    result = compare_tensors(*sides, progress=progress)
+    written, source = ("HF", "Loong") if into == "hf" else ("Loong", "HF")
+    return verify_summary([result], written, source, start)
 
 
 def _is_hf_folder(path: Path) -> bool:
     return (path / "config.json").is_file()
 
 
-def convert(src: str | Path, dst: str | Path, dtype: str = "auto", processor: str | Path | None = None) -> Path:
-    """Convert in the direction SRC implies (nothing is written when SRC is not understood). ``dtype``: ``auto``
-    (as saved; fp32 for the Loong checkpoint of an HF folder), ``bf16``, ``fp32`` or ``fp16``; ``processor``
-    (Loong → HF only): the processor folder to write beside the weights."""
+def convert(src: str | Path, dst: str | Path, dtype: str = "auto", processor: str | Path | None = None,
+            max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, progress: bool = False, check: bool = False
+            ) -> tuple[Path, str | None]:
+    """Convert in the direction SRC implies; ``(what was written, the verify summary or None)``; nothing is
+    written when SRC is not understood. ``dtype``: ``auto`` (as saved; fp32 for the Loong checkpoint of an HF
+    folder), ``bf16``, ``fp32`` or ``fp16``; ``processor`` (Loong → HF only): the processor folder to write beside
+    the weights; ``max_shard_bytes``: the HF shard size (Loong → HF only); ``check``: reread both sides and
+    compare every tensor afterwards (:func:`verify`)."""
     src_p, dst_p = Path(src), Path(dst)
     if dtype != "auto" and dtype not in DTYPES:
         raise LoongError(f"--dtype {dtype}: one of auto, {', '.join(DTYPES)}")
@@ -160,7 +206,8 @@ def convert(src: str | Path, dst: str | Path, dtype: str = "auto", processor: st
         if processor is not None:
             raise LoongError(f"--processor applies to a Loong checkpoint; {src} is a Hugging Face folder (its own "
                              "processor is kept)")
-        return hf_to_loong(src_p, dst_p, dtype)
+        out = hf_to_loong(src_p, dst_p, dtype)
+        return out, verify(src_p, out, "loong", progress=progress) if check else None
     try:
         resolve_checkpoint(src_p, verify=False)  # is it a checkpoint at all? (integrity: below)
     except LoongError as exc:
@@ -168,8 +215,9 @@ def convert(src: str | Path, dst: str | Path, dtype: str = "auto", processor: st
             raise
         raise LoongError(f"{src} is neither a Hugging Face model folder (no config.json) nor a Loong checkpoint "
                          "(no manifest.json, trainer_state.json or step_* directories)") from None
-    return loong_to_hf(src_p, dst_p, dtype, processor)
+    out = loong_to_hf(src_p, dst_p, dtype, processor, max_shard_bytes=max_shard_bytes, progress=progress)
+    return out, verify(out, src_p, "hf", progress=progress) if check else None
 
 
 __all__ = ["DTYPES", "SECTIONS", "adopt_resume_checkpoint", "checkpoint_parts", "convert", "hf_to_loong",
-           "loong_to_hf"]
+           "loong_to_hf", "read_native", "verify"]

@@ -28,9 +28,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from loong.core.checkpoint.safetensors_io import DEFAULT_MAX_SHARD_BYTES, progress_bar, write_shards
 from loong.core.engines.megatron.state import gather_full_state, load_full_state
 from loong.core.errors import LoongError
-from loong.llm.hf_io import read_hf_folder, write_hf_folder
+from loong.llm.hf_io import read_hf_folder, write_hf_metadata
 from loong.llm.models.hf_mapping import native_shapes as foundation_shapes
 from loong.vlm.hf_config import (
     VLMParts,
@@ -254,15 +255,21 @@ def load_hf_into(model_chunks: list[torch.nn.Module], path: str | Path, parts: V
 
 
 def write_hf(native: Mapping[str, Tensor], parts: VLMParts, out_dir: str | Path, dtype: torch.dtype,
-             processor: Any, layout: HFLayout | None = None) -> Path:
+             processor: Any, layout: HFLayout | None = None, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+             progress: bool = False) -> Path:
     """Write the whole native state as an HF folder in ``dtype`` (config.json, generation_config.json,
-    safetensors) with ``processor`` (a :class:`~loong.vlm.data.processors.VisionProcessor` or a transformers
-    processor: its token ids go into the config) saved beside it."""
+    safetensors, sharded with ``model.safetensors.index.json`` above ``max_shard_bytes``) with ``processor`` (a
+    :class:`~loong.vlm.data.processors.VisionProcessor` or a transformers processor: its token ids go into the
+    config) saved beside it. ``progress``: a progress bar on stderr."""
     if dtype not in DTYPE_NAMES:
         raise LoongError(f"dtype {dtype} cannot be written (float32, bfloat16 or float16)")
     config = hf_config_of(parts, processor, DTYPE_NAMES[dtype])
-    state = {k: v.to(dtype) for k, v in native_to_hf(native, parts, layout).items()}
-    folder = write_hf_folder(out_dir, config, state, generation_config=generation_config_of(config))
+    state = native_to_hf(native, parts, layout)
+    with progress_bar(progress, "convert") as bar:
+        task = bar.add_task("convert", total=sum(v.numel() for v in state.values()), name="")
+        # cast one tensor at a time, as it is written: never a second whole copy of the model
+        write_shards(out_dir, ((k, v.to(dtype)) for k, v in state.items()), max_shard_bytes, progress=(bar, task))
+    folder = write_hf_metadata(out_dir, config, generation_config=generation_config_of(config))
     getattr(processor, "hf", processor).save_pretrained(str(folder))
     return folder
 

@@ -21,18 +21,19 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
 
 from loong.core.attention import CPGroups
+from loong.core.checkpoint.safetensors_io import SafetensorsFolder, write_shards
 from loong.core.errors import LoongError
 from loong.diffusion.models.wan.config import WanConfig
 from loong.diffusion.models.wan.model import WanTransformer
 
 CLASS_NAME = "WanTransformer3DModel"
 CONFIG_NAME = "config.json"
-WEIGHTS_NAME = "diffusion_pytorch_model.safetensors"
-INDEX_NAME = "diffusion_pytorch_model.safetensors.index.json"
+#: diffusers' weight file stem: ``<stem>.safetensors`` or ``<stem>-0000i-of-0000N.safetensors`` + the index
+WEIGHTS_STEM = "diffusion_pytorch_model"
+WEIGHTS_NAME = f"{WEIGHTS_STEM}.safetensors"
+INDEX_NAME = f"{WEIGHTS_STEM}.safetensors.index.json"
 #: diffusers' own default shard size for ``save_pretrained``
 MAX_SHARD_BYTES = 10 * 2**30
 
@@ -192,22 +193,13 @@ def read_diffusers_folder(path: str | Path) -> tuple[dict[str, Any], dict[str, t
             path / "transformer" / CONFIG_NAME).is_file() else ""
         raise LoongError(f"{path} has no {CONFIG_NAME} of a diffusers transformer{hint}")
     config = _read_json(path / CONFIG_NAME)
-    if (path / WEIGHTS_NAME).is_file():
-        files = [path / WEIGHTS_NAME]
-    elif (path / INDEX_NAME).is_file():
-        weight_map = _read_json(path / INDEX_NAME).get("weight_map", {})
-        files = [path / name for name in sorted(set(weight_map.values()))]
-    else:
+    if not (path / WEIGHTS_NAME).is_file() and not (path / INDEX_NAME).is_file():
         pickles = sorted(p.name for p in path.iterdir() if p.suffix in (".bin", ".pt", ".pth", ".ckpt"))
         raise LoongError(f"{path} has no {WEIGHTS_NAME} (nor {INDEX_NAME})"
                          + (f"; Loong does not unpickle {', '.join(pickles)}: convert it to safetensors"
                             if pickles else ""))
-    state: dict[str, torch.Tensor] = {}
-    for file in files:
-        try:
-            state.update(load_file(file))
-        except (SafetensorError, OSError) as exc:  # truncated, not safetensors, or a shard the index names is gone
-            raise LoongError(f"{file}: cannot read safetensors file ({exc})") from None
+    # the shards of the index (or the single file), every tensor the index names present: one-line errors
+    state = SafetensorsFolder(path, stem=WEIGHTS_STEM, what="diffusers folder").load_all()
     return config, state
 
 
@@ -258,36 +250,15 @@ def load_diffusers(path: str | Path, groups: CPGroups | None = None, capabilitie
 
 
 def save_diffusers(state_dict: Mapping[str, torch.Tensor], config: WanConfig, path: str | Path, *,
-                   max_shard_bytes: int = MAX_SHARD_BYTES) -> Path:
+                   max_shard_bytes: int = MAX_SHARD_BYTES, progress: Any = None) -> Path:
     """Write a folder that ``WanTransformer3DModel.from_pretrained`` loads: ``config.json`` and the weights of the
     Loong ``state_dict`` (whole tensors, e.g. ``model.state_dict()``) in diffusers' names and dtypes, one
-    safetensors file or, above ``max_shard_bytes``, numbered shards with diffusers' index. Returns ``path``."""
+    safetensors file or, above ``max_shard_bytes``, numbered shards with diffusers' index. ``progress``: a rich
+    ``(bar, task)`` advanced by each tensor's elements. Returns ``path``."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    # safetensors refuses tensors that share storage (the split parts of a fused weight): copy each part
-    weights = {k: v.detach().to("cpu").contiguous().clone() for k, v in to_diffusers(state_dict).items()}
-    shards: list[dict[str, torch.Tensor]] = [{}]
-    size = 0
-    for key, tensor in weights.items():
-        nbytes = tensor.numel() * tensor.element_size()
-        if shards[-1] and size + nbytes > max_shard_bytes:
-            shards.append({})
-            size = 0
-        shards[-1][key] = tensor
-        size += nbytes
-    for stale in [path / WEIGHTS_NAME, path / INDEX_NAME, *path.glob("diffusion_pytorch_model-*-of-*.safetensors")]:
-        stale.unlink(missing_ok=True)  # a previous export of another size must not be mixed in
-    if len(shards) == 1:
-        save_file(shards[0], path / WEIGHTS_NAME, metadata={"format": "pt"})
-    else:
-        weight_map = {}
-        for i, shard in enumerate(shards, start=1):
-            name = f"diffusion_pytorch_model-{i:05d}-of-{len(shards):05d}.safetensors"
-            save_file(shard, path / name, metadata={"format": "pt"})
-            weight_map.update(dict.fromkeys(shard, name))
-        total = sum(t.numel() * t.element_size() for t in weights.values())
-        (path / INDEX_NAME).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map},
-                                                  indent=2, sort_keys=True) + "\n")
+    # the core's shard writer: diffusers' file names and index, views of fused weights copied, stale shards removed
+    write_shards(path, to_diffusers(state_dict).items(), max_shard_bytes, stem=WEIGHTS_STEM, progress=progress)
     (path / CONFIG_NAME).write_text(json.dumps(config_to_diffusers(config), indent=2, sort_keys=True) + "\n")
     return path
 
