@@ -208,6 +208,7 @@ class ShardWriter:
             old.unlink(missing_ok=True)
         self.max_shard_bytes = max_shard_bytes
         self._pending: dict[str, torch.Tensor] = {}
+        self._pending_storages: set[int] = set()
         self._pending_bytes = 0
         self._written: list[tuple[Path, list[str]]] = []
         self.total_bytes = 0
@@ -217,7 +218,8 @@ class ShardWriter:
         nbytes = tensor.numel() * tensor.element_size()
         if self._pending and self._pending_bytes + nbytes > self.max_shard_bytes:
             self._flush()
-        self._pending.update(owned_tensors({key: tensor}))
+        # tied weights (an MTP layer's embedding and head) arrive one by one: each shard must own its storages
+        self._pending.update(owned_tensors({key: tensor}, self._pending_storages))
         self._pending_bytes += nbytes
         self.total_bytes += nbytes
 
@@ -225,7 +227,7 @@ class ShardWriter:
         tmp = self.folder / f".shard-{len(self._written) + 1:05d}.safetensors"
         save_file(self._pending, tmp, metadata={"format": "pt"})
         self._written.append((tmp, list(self._pending)))
-        self._pending, self._pending_bytes = {}, 0
+        self._pending, self._pending_storages, self._pending_bytes = {}, set(), 0
 
     def close(self) -> list[str]:
         """Write the last shard, name the shards and write the index; the shard file names."""
@@ -259,9 +261,10 @@ def write_shards(folder: str | Path, tensors: Iterable[tuple[str, torch.Tensor]]
     return writer.close()
 
 
-def owned_tensors(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Tensors safetensors accepts: contiguous, CPU, each with storage of its own (views are copied)."""
-    seen: set[int] = set()
+def owned_tensors(tensors: dict[str, torch.Tensor], seen: set[int] | None = None) -> dict[str, torch.Tensor]:
+    """Tensors safetensors accepts: contiguous, CPU, each with storage of its own (views are copied). ``seen``: the
+    storages already queued for the same file (tied weights added one by one), updated in place."""
+    seen = set() if seen is None else seen
     out = {}
     for key, t in tensors.items():
         t = t.detach().to("cpu").contiguous()

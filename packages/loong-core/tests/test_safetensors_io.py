@@ -1,0 +1,38 @@
+"""The shared safetensors shard writer and reader (``loong.core.checkpoint.safetensors_io``)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+from loong.core.checkpoint.safetensors_io import ShardWriter
+
+
+def test_tied_tensors_added_one_by_one_are_written_each_with_its_own_storage(tmp_path: Path) -> None:
+    """An MTP layer's embedding and head are the model's own tensors: safetensors refuses a file whose tensors
+    share memory, so the writer copies a storage it has already queued for the same shard."""
+    embed, head = torch.randn(8, 4), torch.randn(8, 4)
+    writer = ShardWriter(tmp_path, max_shard_bytes=10_000)
+    for key, tensor in (("embed", embed), ("head", head), ("mtp.embed", embed), ("mtp.head", head),
+                        ("view", embed[2:])):
+        writer.add(key, tensor)
+    assert writer.close() == ["model.safetensors"]
+    back = load_file(tmp_path / "model.safetensors")
+    assert set(back) == {"embed", "head", "mtp.embed", "mtp.head", "view"}
+    for key, want in (("embed", embed), ("mtp.embed", embed), ("head", head), ("mtp.head", head),
+                      ("view", embed[2:])):
+        assert torch.equal(back[key], want), key
+
+
+def test_a_shard_boundary_splits_and_indexes(tmp_path: Path) -> None:
+    tensors = {f"t{i}": torch.full((16,), float(i)) for i in range(5)}  # 64 bytes each
+    writer = ShardWriter(tmp_path, max_shard_bytes=130)  # two a shard
+    for key, tensor in tensors.items():
+        writer.add(key, tensor)
+    names = writer.close()
+    assert names == [f"model-{i:05d}-of-00003.safetensors" for i in (1, 2, 3)]
+    back = {k: v for name in names for k, v in load_file(tmp_path / name).items()}
+    assert back.keys() == tensors.keys() and all(torch.equal(back[k], v) for k, v in tensors.items())
+    assert (tmp_path / "model.safetensors.index.json").is_file()
