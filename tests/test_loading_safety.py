@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[3]
+REPO = Path(__file__).resolve().parents[1]
 
 # (path relative to the repo, the exact stripped source line) -> why it is safe.
 ALLOWED: dict[tuple[str, str], str] = {

@@ -26,7 +26,7 @@ import pytest
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
-REPO_ROOT = Path(__file__).resolve().parents[3]
+REPO_ROOT = Path(__file__).resolve().parents[1]
 
 # distribution name -> the subpackage of the ``loong`` namespace it owns
 MEMBERS = {
