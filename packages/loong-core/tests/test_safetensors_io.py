@@ -4,10 +4,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 from safetensors.torch import load_file
 
-from loong.core.checkpoint.safetensors_io import ShardWriter
+from loong.core.checkpoint.safetensors_io import ShardWriter, convert_dtype
+from loong.core.errors import LoongError
 
 
 def test_tied_tensors_added_one_by_one_are_written_each_with_its_own_storage(tmp_path: Path) -> None:
@@ -36,3 +38,17 @@ def test_a_shard_boundary_splits_and_indexes(tmp_path: Path) -> None:
     back = {k: v for name in names for k, v in load_file(tmp_path / name).items()}
     assert back.keys() == tensors.keys() and all(torch.equal(back[k], v) for k, v in tensors.items())
     assert (tmp_path / "model.safetensors.index.json").is_file()
+
+
+def test_convert_dtype_auto_keeps_the_sources_most_common_float_dtype() -> None:
+    """``--dtype auto``: the source's own dtype (integer tensors do not count; float32 without floats); a named
+    dtype wins; a dtype no model is built in, or an unknown name, is one clear error."""
+    bf16, fp32, i64 = torch.bfloat16, torch.float32, torch.int64
+    assert convert_dtype("auto", [bf16, bf16, fp32, i64, i64, i64], "src") == bf16
+    assert convert_dtype("auto", [fp32, torch.float16, torch.float16], "src") == torch.float16
+    assert convert_dtype("auto", [i64], "src") == fp32
+    assert convert_dtype("fp16", [bf16], "src") == torch.float16 and convert_dtype("fp32", [bf16], "src") == fp32
+    with pytest.raises(LoongError, match="^src: its weights are float64, which --dtype auto cannot keep; pass"):
+        convert_dtype("auto", [torch.float64], "src")
+    with pytest.raises(LoongError, match="^--dtype fp8: one of auto, bf16, fp32, fp16$"):
+        convert_dtype("fp8", [bf16], "src")

@@ -154,6 +154,88 @@ def test_convert_verify_passes_both_ways_and_fails_on_a_tampered_folder(exported
         verify_export(dst, loaded.name, loaded.config, loaded.policy.state_dict(), loaded.processor)
 
 
+def _checkpoint_dtypes(ckpt: Path) -> dict[str, torch.dtype]:
+    """The saved dtype of every model tensor of a Loong checkpoint (from its DCP metadata)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    from loong.core.checkpoint import resolve_checkpoint
+
+    meta = dcp.FileSystemReader(str(resolve_checkpoint(ckpt))).read_metadata().state_dict_metadata
+    return {k: v.properties.dtype for k, v in meta.items() if isinstance(v, TensorStorageMetadata)}
+
+
+def test_convert_dtype_both_ways_with_verify(exported: dict) -> None:
+    """``--dtype bf16`` (Loong -> lerobot) writes bf16 floats, ids as they are, and ``--verify`` compares after the
+    cast; lerobot -> Loong, ``--dtype auto`` keeps the folder's bf16 and ``--dtype fp32`` sets fp32 (as in
+    loong-llm and loong-vlm convert)."""
+    from safetensors.torch import load_file
+
+    root = exported["root"]
+    rc, log = _main("convert", str(exported["run_dir"]), str(root / "bf16"), "--dtype", "bf16", "--verify",
+                    "--no-progress")
+    assert rc == 0 and "match bit for bit (lerobot bfloat16 / Loong float32)" in log, log
+    file = load_file(str(root / "bf16" / "model.safetensors"))
+    fp32 = load_file(str(exported["lerobot"] / "model.safetensors"))  # the run's own export, of the same weights
+    assert set(file) == set(fp32)
+    for key, tensor in fp32.items():
+        want = tensor.to(torch.bfloat16) if tensor.is_floating_point() else tensor
+        assert file[key].dtype == want.dtype and torch.equal(file[key], want), key
+    rc, log = _main("convert", str(root / "bf16"), str(root / "back16"), "--verify", "--no-progress")
+    assert rc == 0 and "match bit for bit (Loong bfloat16 / lerobot bfloat16)" in log, log
+    saved = _checkpoint_dtypes(root / "back16")
+    assert saved and {d for d in saved.values() if d.is_floating_point} == {torch.bfloat16}, saved
+    rc, log = _main("convert", str(root / "bf16"), str(root / "back32"), "--dtype", "fp32", "--verify",
+                    "--no-progress")
+    assert rc == 0 and "match bit for bit (Loong float32 / lerobot bfloat16)" in log, log
+    assert {d for d in _checkpoint_dtypes(root / "back32").values() if d.is_floating_point} == {torch.float32}
+
+
+def test_convert_verify_exits_2_naming_a_tensor_the_writer_changed(exported: dict,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """A conversion whose written tensors differ from the source (the writer perturbs one element) fails
+    ``convert --verify`` with exit code 2 and one ``error:`` line naming the tensor, both ways."""
+    import huggingface_hub
+    import torch.distributed.checkpoint as dcp
+    from safetensors.torch import load_file
+
+    root = exported["root"]
+    exported_file = load_file(str(exported["lerobot"] / "model.safetensors"))
+    name = sorted(k for k, v in exported_file.items() if v.is_floating_point())[3]
+    real_save, real_dcp_save = huggingface_hub.save_torch_state_dict, dcp.save
+
+    def corrupting_save(state_dict: dict, *args: object, **kwargs: object) -> None:
+        bad = state_dict[name].clone()
+        bad.view(-1)[1] += 1
+        real_save({**state_dict, name: bad}, *args, **kwargs)
+
+    with monkeypatch.context() as m:
+        m.setattr(huggingface_hub, "save_torch_state_dict", corrupting_save)
+        rc, log = _main("convert", str(exported["run_dir"]), str(root / "tampered"), "--verify", "--no-progress")
+    errors = [line for line in log.splitlines() if line.startswith("error:")]
+    assert rc == 2 and len(errors) == 1, log
+    assert errors[0].startswith(f"error: verify: {name} differs between {root / 'tampered' / 'model.safetensors'} "
+                                "and the checkpoint: 1 of ") and "first at" in errors[0], errors
+
+    changed: list[str] = []
+
+    def corrupting_dcp_save(state: dict, *args: object, **kwargs: object) -> object:
+        model = dict(state["model"])
+        changed.append(sorted(k for k, v in model.items() if v.is_floating_point())[0])
+        bad = model[changed[0]].clone()
+        bad.view(-1)[0] += 1
+        return real_dcp_save({**state, "model": {**model, changed[0]: bad}}, *args, **kwargs)
+
+    with monkeypatch.context() as m:
+        m.setattr(dcp, "save", corrupting_dcp_save)
+        rc, log = _main("convert", str(exported["lerobot"]), str(root / "tampered_back"), "--verify",
+                        "--no-progress")
+    errors = [line for line in log.splitlines() if line.startswith("error:")]
+    assert rc == 2 and len(errors) == 1 and len(changed) == 1, log
+    assert errors[0].startswith(f"error: verify: {changed[0]} differs between {root / 'tampered_back' / 'checkpoints'}"
+                                ) and f"and {exported['lerobot']}: 1 of " in errors[0], errors
+
+
 def test_init_from_the_export_starts_from_its_weights(exported: dict) -> None:
     """A run from the lerobot folder at lr 0: its checkpoint holds exactly the exported weights (API and CLI)."""
     from loong.embodied.inference import load_policy

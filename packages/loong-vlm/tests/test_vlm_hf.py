@@ -347,6 +347,18 @@ TRAIN = ["train.steps=2", "train.warmup_steps=0", "train.eval_interval=0", "trai
          "train.progress=false"]
 
 
+def _checkpoint_dtypes(ckpt: Path) -> dict[str, torch.dtype]:
+    """The saved dtype of every model tensor of a Loong checkpoint (from its DCP metadata)."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    from loong.core.checkpoint import resolve_checkpoint
+
+    meta = FileSystemReader(str(resolve_checkpoint(ckpt))).read_metadata().state_dict_metadata
+    return {k: v.properties.dtype for k, v in meta.items()
+            if isinstance(v, TensorStorageMetadata) and not k.endswith("_extra_state")}
+
+
 def _first_losses(run_dir: Path) -> list[float]:
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     return [r["train_loss"] for r in records if "train_loss" in r]
@@ -402,6 +414,15 @@ def test_convert_shards_and_verifies(cases: dict, family: str, tmp_path: Path, c
 
     parts = parts_from_folder(case["folder"])
     _assert_same({k: v.bfloat16() for k, v in hf_to_native(orig, parts).items()}, hf_to_native(again, parts))
+    # --dtype auto keeps the source's dtype both ways (as loong-llm's): the bf16 folder becomes a bf16 checkpoint
+    assert main(["convert", str(back), str(tmp_path / "loong16"), "--verify", "--no-progress"]) == 0
+    err = capsys.readouterr().err
+    assert f"verify: {len(orig)} tensors, " in err and "(Loong bfloat16 / HF bfloat16" in err, err
+    saved = _checkpoint_dtypes(tmp_path / "loong16")
+    # every weight in bf16 but the foundation's norms, which megatron keeps in fp32 on CPU (exact: bf16 upcast)
+    assert saved["foundation.embedding.word_embeddings.weight"] == torch.bfloat16, saved
+    assert {k for k, d in saved.items() if d != torch.bfloat16} <= {k for k in saved if "norm" in k}, saved
+    assert all(d == torch.bfloat16 for k, d in saved.items() if k.startswith(("encoder.", "projector."))), saved
     name = sorted(again)[5]
     real_add = safetensors_io.ShardWriter.add
 

@@ -68,6 +68,8 @@ def _setup_convert(p: argparse.ArgumentParser) -> None:
                    help="a policy trained on a mix of datasets: the dataset (its index in data.repo_root, its folder "
                         "or folder name) whose normalisation statistics and embodiment the lerobot folder carries "
                         "(default: 0, the first; Loong -> lerobot)")
+    p.add_argument("--dtype", choices=["auto", "bf16", "fp32", "fp16"], default="auto",
+                   help="dtype of the written floating weights, both ways (auto: the source's, as saved)")
     p.add_argument("--verify", action="store_true",
                    help="after converting, reread both sides and compare every tensor bit for bit (exit 2 on the "
                         "first that differs)")
@@ -79,7 +81,7 @@ def _run_convert(args: argparse.Namespace) -> int:
     if (src / "config.json").is_file() and (src / "model.safetensors").is_file():
         from loong.embodied.lerobot_io import verify_import
 
-        out = _lerobot_to_loong(src, dst)
+        out = _lerobot_to_loong(src, dst, args.dtype)
         print(f"wrote {out} (weights only); fine-tune from it: loong-embodied train train.resume={out} "
               f"data.repo_root=DATASET, or start from the lerobot folder itself: model.init_from={src}",
               file=sys.stderr)
@@ -89,10 +91,13 @@ def _run_convert(args: argparse.Namespace) -> int:
     import time
 
     from loong.embodied.inference import load_policy
-    from loong.embodied.lerobot_io import export_lerobot, verify_export
+    from loong.embodied.lerobot_io import cast_state, export_lerobot, saved_dtypes, verify_export
 
+    # loaded in fp32 (exact for every saved float dtype), then written in --dtype's, or (auto) each tensor's saved one
     loaded = load_policy(src, ema=args.ema, device="cpu", dtype="fp32")
-    out = export_lerobot(loaded.name, loaded.config, loaded.policy.state_dict(), loaded.processor, dst,
+    state = loaded.policy.state_dict()
+    saved = saved_dtypes(loaded.step_dir, state, ema=args.ema)
+    out = export_lerobot(loaded.name, loaded.config, cast_state(state, args.dtype, saved), loaded.processor, dst,
                          source=args.dataset_index)
     weights = "moving averages of the weights" if args.ema else "weights"
     print(f"wrote {out}: lerobot {loaded.name} policy ({weights} of {loaded.step_dir}); load it with lerobot's "
@@ -100,23 +105,28 @@ def _run_convert(args: argparse.Namespace) -> int:
     if args.verify:  # the checkpoint reread (a fresh load, not the policy just written from), through the mapping
         start = time.perf_counter()
         again = load_policy(src, ema=args.ema, device="cpu", dtype="fp32")
-        print(verify_export(out, again.name, again.config, again.policy.state_dict(), again.processor,
-                            source=args.dataset_index, progress=not args.no_progress, start=start), file=sys.stderr)
+        # the checkpoint's side as it is saved (the compare casts it to the written dtype, the --dtype rule)
+        reread = again.policy.state_dict()
+        source = cast_state(reread, "auto", saved_dtypes(again.step_dir, reread, ema=args.ema))
+        print(verify_export(out, again.name, again.config, source, again.processor, source=args.dataset_index,
+                            progress=not args.no_progress, start=start), file=sys.stderr)
     return 0
 
 
-def _lerobot_to_loong(src: Path, dst: Path) -> Path:
+def _lerobot_to_loong(src: Path, dst: Path, dtype: str = "auto") -> Path:
     """A weights-only Loong checkpoint ``dst/checkpoints/step_00000000`` of the lerobot policy folder ``src``, its
-    config the preset nearest to the folder's plus the fields that differ (``model.config``)."""
+    config the preset nearest to the folder's plus the fields that differ (``model.config``), its floating tensors
+    in ``dtype`` (``auto``: as the folder holds them)."""
     import torch.distributed.checkpoint as dcp
 
     from loong.core.checkpoint import CheckpointManager
     from loong.core.config.schema import to_dict
-    from loong.embodied.lerobot_io import import_lerobot
+    from loong.embodied.lerobot_io import cast_state, import_lerobot
     from loong.embodied.policies import POLICIES
     from loong.embodied.schema import EmbodiedRunConfig, PolicyModelConfig
 
     name, config, state, _stats = import_lerobot(src)
+    state = cast_state(state, dtype)
     fields = to_dict(config)
 
     def differing(preset: str) -> dict:

@@ -26,13 +26,19 @@ import inspect
 import json
 import logging
 import time
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from types import ModuleType
 from typing import Any
 
 import torch
 
-from loong.core.checkpoint.safetensors_io import SafetensorsFolder, compare_tensors, verify_summary
+from loong.core.checkpoint.safetensors_io import (
+    CONVERT_DTYPES,
+    SafetensorsFolder,
+    compare_tensors,
+    verify_summary,
+)
 from loong.core.errors import LoongError
 from loong.embodied.policies import POLICIES
 from loong.embodied.policies.base import PolicyConfig, PolicyProcessor
@@ -109,6 +115,38 @@ def export_lerobot(policy_name: str, config: PolicyConfig, state_dict: dict[str,
     pre.save_pretrained(dst)
     post.save_pretrained(dst)
     return dst
+
+
+def cast_state(state: Mapping[str, torch.Tensor], dtype: str,
+               saved: Mapping[str, torch.dtype] | None = None) -> dict[str, torch.Tensor]:
+    """``state`` in ``convert --dtype``'s dtype: every floating tensor cast to ``bf16``/``fp32``/``fp16``, or for
+    ``auto`` kept as the source holds it (``saved[key]``, where given: the dtype the checkpoint stores, for a
+    state loaded cast to fp32). Integer and bool tensors (ids, masks) are never cast. No policy model is built in
+    a conversion, so a source of mixed dtypes (lerobot keeps some of Pi0.5's norms in fp32) stays mixed."""
+    if dtype != "auto" and dtype not in CONVERT_DTYPES:
+        raise LoongError(f"--dtype {dtype}: one of auto, {', '.join(CONVERT_DTYPES)}")
+    out = {}
+    for key, tensor in state.items():
+        target = CONVERT_DTYPES.get(dtype) or (saved or {}).get(key, tensor.dtype)
+        out[key] = tensor.to(target) if tensor.is_floating_point() else tensor
+    return out
+
+
+def saved_dtypes(step_dir: str | Path, keys: Iterable[str], ema: bool = False) -> dict[str, torch.dtype]:
+    """The dtype each policy tensor ``keys`` has in the DCP checkpoint ``step_dir`` (``ema``: its moving average's,
+    where the run kept one), from the checkpoint's metadata alone."""
+    import torch.distributed.checkpoint as dcp
+
+    from loong.core.engines.fsdp.checkpoint import EMA_KEY
+
+    meta = dcp.FileSystemReader(str(step_dir)).read_metadata().state_dict_metadata
+    out = {}
+    for key in keys:
+        entry = (meta.get(f"{EMA_KEY}.{key}") if ema else None) or meta.get(f"model.{key}")
+        dtype = getattr(getattr(entry, "properties", None), "dtype", None)
+        if dtype is not None:
+            out[key] = dtype
+    return out
 
 
 def _policy_for_type(lerobot_type: str, src: Path) -> str:
@@ -232,4 +270,5 @@ def verify_import(src: str | Path, step_dir: str | Path, *, progress: bool = Fal
     return verify_summary([result], "Loong", "lerobot", start)
 
 
-__all__ = ["export_lerobot", "import_lerobot", "mapping_of", "read_lerobot_stats", "verify_export", "verify_import"]
+__all__ = ["cast_state", "export_lerobot", "import_lerobot", "mapping_of", "read_lerobot_stats", "saved_dtypes",
+           "verify_export", "verify_import"]

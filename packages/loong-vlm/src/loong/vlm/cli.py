@@ -53,7 +53,7 @@ def _setup_convert(p: argparse.ArgumentParser) -> None:
     p.add_argument("src", help="a Hugging Face VLM folder, or a Loong checkpoint (run, checkpoints or step dir)")
     p.add_argument("dst", help="output folder")
     p.add_argument("--dtype", choices=["auto", "bf16", "fp32", "fp16"], default="auto",
-                   help="dtype of the written weights (auto: as saved; fp32 for the Loong checkpoint of an HF folder)")
+                   help="dtype of the written weights (auto: the source's, both ways)")
     p.add_argument("--processor", default=None, metavar="DIR",
                    help="Loong -> HF: the processor folder to write beside the weights (default: the checkpoint's)")
     p.add_argument("--max-shard-size", default="5GB", metavar="SIZE",

@@ -22,9 +22,11 @@ import torch
 from loong.core.accelerators import select_accelerator
 from loong.core.checkpoint import CheckpointManager, read_config, resolve_checkpoint
 from loong.core.checkpoint.safetensors_io import (
+    CONVERT_DTYPES,
     DEFAULT_MAX_SHARD_BYTES,
     SafetensorsFolder,
     compare_tensors,
+    convert_dtype,
     verify_summary,
 )
 from loong.core.config.schema import ParallelConfig, from_dict, to_dict
@@ -43,7 +45,8 @@ from loong.vlm.hf import (
 from loong.vlm.hf_config import VLMParts, adopt_parts, check_parts, hf_config_of
 from loong.vlm.schema import VLMRunConfig
 
-DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
+#: ``--dtype`` choices besides ``auto`` (the source's dtype), as in ``loong-llm convert``
+DTYPES = CONVERT_DTYPES
 #: the sections of a loong-vlm run config that make the model
 SECTIONS = ("model", "encoder", "projector", "foundation")
 
@@ -104,14 +107,17 @@ def _build(parts: VLMParts, dtype: torch.dtype, accelerator: Any, layout: Any) -
 
 def hf_to_loong(src: Path, dst: Path, dtype: str = "auto") -> Path:
     """Import an HF VLM folder as a weights-only Loong checkpoint under ``dst/checkpoints`` (its processor, when
-    the folder has one, under the step's ``processor/``)."""
+    the folder has one, under the step's ``processor/``). ``dtype`` ``auto`` keeps the folder's (the most common
+    floating dtype of its tensors, read from the safetensors headers), as ``loong-llm convert`` does."""
     parts = parts_from_folder(src)
+    hf = SafetensorsFolder(src, what="Hugging Face model folder")
+    torch_dtype = convert_dtype(dtype, (hf.meta(k)[1] for k in hf.keys()), str(src))
     processor = load_processor_folder(src) if has_processor(src) else None
     run_cfg = VLMRunConfig(run_name=dst.name, output_dir=str(dst.parent))
     parts.apply_to(run_cfg)
     accelerator = select_accelerator("cpu")
     with world(accelerator, ParallelConfig()) as layout:
-        model = _build(parts, DTYPES.get(dtype, torch.float32), accelerator, layout)
+        model = _build(parts, torch_dtype, accelerator, layout)
         load_hf_into([model], src, parts)
 
         def artifacts(step_dir: Path) -> None:
@@ -157,9 +163,8 @@ def loong_to_hf(src: Path, dst: Path, dtype: str = "auto", processor: str | Path
     proc = load_processor_folder(proc_dir)
     hf_config_of(parts, proc)  # refuse a misfit processor before reading the weights
     native = read_native(step_dir, parts)
-    saved_dtype = native["foundation.embedding.word_embeddings.weight"].dtype
-    return write_hf(native, parts, dst, DTYPES.get(dtype, saved_dtype), proc, max_shard_bytes=max_shard_bytes,
-                    progress=progress)
+    out_dtype = convert_dtype(dtype, (t.dtype for t in native.values()), str(step_dir))
+    return write_hf(native, parts, dst, out_dtype, proc, max_shard_bytes=max_shard_bytes, progress=progress)
 
 
 def verify(hf_folder: str | Path, checkpoint: str | Path, into: str, progress: bool = False) -> str:
@@ -193,8 +198,8 @@ def convert(src: str | Path, dst: str | Path, dtype: str = "auto", processor: st
             max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, progress: bool = False, check: bool = False
             ) -> tuple[Path, str | None]:
     """Convert in the direction SRC implies; ``(what was written, the verify summary or None)``; nothing is
-    written when SRC is not understood. ``dtype``: ``auto`` (as saved; fp32 for the Loong checkpoint of an HF
-    folder), ``bf16``, ``fp32`` or ``fp16``; ``processor`` (Loong → HF only): the processor folder to write beside
+    written when SRC is not understood. ``dtype``: ``auto`` (the source's, both ways, as in
+    ``loong-llm convert``), ``bf16``, ``fp32`` or ``fp16``; ``processor`` (Loong → HF only): the processor folder to write beside
     the weights; ``max_shard_bytes``: the HF shard size (Loong → HF only); ``check``: reread both sides and
     compare every tensor afterwards (:func:`verify`)."""
     src_p, dst_p = Path(src), Path(dst)

@@ -34,6 +34,26 @@ _ST_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, 
               "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
 
 
+#: ``convert --dtype`` choices besides ``auto`` (the source's own dtype), the same in every modality's CLI
+CONVERT_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
+
+
+def convert_dtype(name: str, source: Iterable[torch.dtype], where: str) -> torch.dtype:
+    """The dtype a ``convert`` writes for ``--dtype name``: that of ``name``, or for ``auto`` the source's (the most
+    common floating dtype of its tensors ``source``; float32 when it has none). ``where`` names the source in the
+    error for an ``auto`` dtype no model is built in (e.g. float64: pass ``--dtype``)."""
+    if name in CONVERT_DTYPES:
+        return CONVERT_DTYPES[name]
+    if name != "auto":
+        raise LoongError(f"--dtype {name}: one of auto, {', '.join(CONVERT_DTYPES)}")
+    floats = [d for d in source if d.is_floating_point]
+    dtype = max(set(floats), key=lambda d: (floats.count(d), str(d))) if floats else torch.float32
+    if dtype not in CONVERT_DTYPES.values():
+        raise LoongError(f"{where}: its weights are {str(dtype).removeprefix('torch.')}, which --dtype auto cannot "
+                         f"keep; pass --dtype {' or '.join(CONVERT_DTYPES)}")
+    return dtype
+
+
 class VerifyError(LoongError):
     """``--verify`` found a tensor that differs between the two sides of a conversion (exit code 2)."""
 
@@ -349,6 +369,7 @@ def verify_summary(parts: Iterable[tuple[int, int, set[tuple[str, str]]]], writt
             f"in {time.perf_counter() - start:.1f} s")
 
 
-__all__ = ["DEFAULT_MAX_SHARD_BYTES", "SafetensorsFolder", "ShardWriter", "TensorSource", "VerifyError",
-           "bit_equal", "compare_tensors", "first_difference", "index_name", "owned_tensors", "parse_size",
-           "progress_bar", "safetensors_header", "verify_summary", "weights_name", "write_shards"]
+__all__ = ["CONVERT_DTYPES", "DEFAULT_MAX_SHARD_BYTES", "SafetensorsFolder", "ShardWriter", "TensorSource",
+           "VerifyError", "bit_equal", "compare_tensors", "convert_dtype", "first_difference", "index_name",
+           "owned_tensors", "parse_size", "progress_bar", "safetensors_header", "verify_summary", "weights_name",
+           "write_shards"]
