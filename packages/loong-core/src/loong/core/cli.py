@@ -112,6 +112,25 @@ def run_train(config_module: str, config_name: str, overrides: list[str], schema
     return 0
 
 
+#: ``--max-shard-size`` of the converters that write a Hugging Face folder (transformers' 5GB default)
+HF_SHARDS_HELP = ("largest safetensors shard written (Loong -> HF), e.g. 5GB, 500MB, 2GiB (default: 5GB); more than "
+                  "one shard comes with model.safetensors.index.json")
+
+
+def add_convert_options(p: argparse.ArgumentParser, *, dtype_help: str, shard_default: str | None = None,
+                        shard_help: str = "", progress_help: str = "no progress bar") -> None:
+    """The options every ``convert`` verb shares, with one meaning in every CLI: ``--dtype`` (``auto`` keeps the
+    source's), ``--max-shard-size`` (only where the written format shards: pass ``shard_default``), ``--verify``
+    and ``--no-progress``."""
+    p.add_argument("--dtype", choices=["auto", "bf16", "fp32", "fp16"], default="auto", help=dtype_help)
+    if shard_default is not None:
+        p.add_argument("--max-shard-size", default=shard_default, metavar="SIZE", help=shard_help)
+    p.add_argument("--verify", action="store_true",
+                   help="after converting, reread both sides and compare every tensor bit for bit (exit 2 on the "
+                        "first that differs)")
+    p.add_argument("--no-progress", action="store_true", help=progress_help)
+
+
 def _setup_env(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print the report as JSON")
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from loong.core.cli import Command, make_cli, run_train
+from loong.core.cli import Command, add_convert_options, make_cli, run_train
 
 CONFIG_MODULE = "loong.diffusion.configs"
 CONFIG_NAME = "train"
@@ -57,19 +57,14 @@ def _setup_convert(p: argparse.ArgumentParser) -> None:
     p.add_argument("src", help="a diffusers WanTransformer3DModel folder, or a Loong checkpoint (run, checkpoints or "
                                "step dir)")
     p.add_argument("dst", help="output folder")
-    p.add_argument("--dtype", choices=["auto", "bf16", "fp32", "fp16"], default="auto",
-                   help="dtype of the written weights (auto: as saved)")
     p.add_argument("--ema", action="store_true",
                    help="write the checkpoint's moving averages of the weights (train.ema_decay) instead of the "
                         "weights (Loong -> diffusers)")
-    p.add_argument("--max-shard-size", default="10GiB", metavar="SIZE",
-                   help="largest safetensors shard written (Loong -> diffusers), e.g. 10GiB, 500MB (default: 10GiB, "
-                        "diffusers' own); more than one shard comes with diffusion_pytorch_model.safetensors.index.json")
-    p.add_argument("--verify", action="store_true",
-                   help="after converting, reread both sides and compare every tensor bit for bit (exit 2 on the "
-                        "first that differs)")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
+    add_convert_options(p, dtype_help="dtype of the written weights (auto: as saved)", shard_default="10GiB",
+                        shard_help="largest safetensors shard written (Loong -> diffusers), e.g. 10GiB, 500MB "
+                                   "(default: 10GiB, diffusers' own); more than one shard comes with "
+                                   "diffusion_pytorch_model.safetensors.index.json")
 
 def _run_convert(args: argparse.Namespace) -> int:
     from loong.core.checkpoint.safetensors_io import parse_size

@@ -6,7 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from loong.core.cli import Command, make_cli, run_train
+from loong.core.cli import Command, add_convert_options, make_cli, run_train
 from loong.embodied.inference_cli import EVAL_COMMAND, SERVE_COMMAND
 
 CONFIG_MODULE = "loong.embodied.configs"
@@ -68,13 +68,9 @@ def _setup_convert(p: argparse.ArgumentParser) -> None:
                    help="a policy trained on a mix of datasets: the dataset (its index in data.repo_root, its folder "
                         "or folder name) whose normalisation statistics and embodiment the lerobot folder carries "
                         "(default: 0, the first; Loong -> lerobot)")
-    p.add_argument("--dtype", choices=["auto", "bf16", "fp32", "fp16"], default="auto",
-                   help="dtype of the written floating weights, both ways (auto: the source's, as saved)")
-    p.add_argument("--verify", action="store_true",
-                   help="after converting, reread both sides and compare every tensor bit for bit (exit 2 on the "
-                        "first that differs)")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar (of --verify)")
 
+    add_convert_options(p, dtype_help="dtype of the written floating weights, both ways (auto: the source's, as "
+                        "saved)", progress_help="no progress bar (of --verify)")
 
 def _run_convert(args: argparse.Namespace) -> int:
     src, dst = Path(args.src).expanduser(), Path(args.dst).expanduser()

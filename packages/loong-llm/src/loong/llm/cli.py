@@ -6,7 +6,7 @@ import argparse
 import os
 import sys
 
-from loong.core.cli import Command, make_cli, run_train
+from loong.core.cli import HF_SHARDS_HELP, Command, add_convert_options, make_cli, run_train
 
 CONFIG_MODULE = "loong.llm.configs"
 CONFIG_NAME = "pretrain"
@@ -45,18 +45,11 @@ def _run_train(args: argparse.Namespace) -> int:
 def _setup_convert(p: argparse.ArgumentParser) -> None:
     p.add_argument("src", help="a Hugging Face model folder, or a Loong checkpoint (run, checkpoints or step dir)")
     p.add_argument("dst", help="output folder")
-    p.add_argument("--dtype", choices=["auto", "bf16", "fp32", "fp16"], default="auto",
-                   help="dtype of the written Hugging Face weights (auto: as saved)")
     p.add_argument("--merge-lora", action="store_true",
                    help="merge a LoRA checkpoint's adapters into the base weights (needed for LoRA checkpoints)")
-    p.add_argument("--max-shard-size", default="5GB", metavar="SIZE",
-                   help="largest safetensors shard written (Loong -> HF), e.g. 5GB, 500MB, 2GiB (default: 5GB); "
-                        "more than one shard comes with model.safetensors.index.json")
-    p.add_argument("--verify", action="store_true",
-                   help="after converting, reread both sides and compare every tensor bit for bit (exit 2 on the "
-                        "first that differs)")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
+    add_convert_options(p, dtype_help="dtype of the written weights (auto: the source's, both ways)",
+                        shard_default="5GB", shard_help=HF_SHARDS_HELP)
 
 def _run_convert(args: argparse.Namespace) -> int:
     from loong.llm.convert import convert

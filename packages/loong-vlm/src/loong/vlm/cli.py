@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from loong.core.cli import Command, make_cli, run_train
+from loong.core.cli import HF_SHARDS_HELP, Command, add_convert_options, make_cli, run_train
 
 CONFIG_MODULE = "loong.vlm.configs"
 CONFIG_NAME = "train"
@@ -52,18 +52,11 @@ def _run_train(args: argparse.Namespace) -> int:
 def _setup_convert(p: argparse.ArgumentParser) -> None:
     p.add_argument("src", help="a Hugging Face VLM folder, or a Loong checkpoint (run, checkpoints or step dir)")
     p.add_argument("dst", help="output folder")
-    p.add_argument("--dtype", choices=["auto", "bf16", "fp32", "fp16"], default="auto",
-                   help="dtype of the written weights (auto: the source's, both ways)")
     p.add_argument("--processor", default=None, metavar="DIR",
                    help="Loong -> HF: the processor folder to write beside the weights (default: the checkpoint's)")
-    p.add_argument("--max-shard-size", default="5GB", metavar="SIZE",
-                   help="largest safetensors shard written (Loong -> HF), e.g. 5GB, 500MB, 2GiB (default: 5GB); "
-                        "more than one shard comes with model.safetensors.index.json")
-    p.add_argument("--verify", action="store_true",
-                   help="after converting, reread both sides and compare every tensor bit for bit (exit 2 on the "
-                        "first that differs)")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
+    add_convert_options(p, dtype_help="dtype of the written weights (auto: the source's, both ways)",
+                        shard_default="5GB", shard_help=HF_SHARDS_HELP)
 
 def _run_convert(args: argparse.Namespace) -> int:
     from loong.core.checkpoint.safetensors_io import parse_size
