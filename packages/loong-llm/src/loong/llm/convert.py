@@ -14,6 +14,7 @@ compares every tensor bit for bit.
 
 from __future__ import annotations
 
+import math
 import shutil
 import time
 from collections.abc import Callable, Iterator
@@ -23,7 +24,7 @@ from typing import Any
 import torch
 
 from loong.core.checkpoint import CheckpointManager, resolve_checkpoint
-from loong.core.checkpoint.safetensors_io import VerifyError, first_difference, progress_bar
+from loong.core.checkpoint.safetensors_io import VerifyError, convert_dtype, first_difference, progress_bar
 from loong.core.errors import LoongError
 from loong.llm.hf_io import DEFAULT_MAX_SHARD_BYTES, HFTensors, ShardWriter, write_hf_metadata
 from loong.llm.models.config import DenseModelConfig
@@ -39,7 +40,6 @@ from loong.llm.models.hf_mapping import (
     streams,
 )
 
-_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
@@ -81,18 +81,6 @@ class CheckpointTensors:
         load({key: out}, storage_reader=FileSystemReader(str(self.step_dir)),
              planner=DefaultLoadPlanner(allow_partial_load=True), no_dist=True)
         return out
-
-
-def _progress(enabled: bool, what: str) -> Any:
-    """The core's progress bar (counting parameters here)."""
-    return progress_bar(enabled, what)
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
 
 
 def _hf_taker(hf: HFTensors, used: set[str], meta: bool = False) -> Callable[[str], torch.Tensor]:
@@ -152,8 +140,8 @@ def _fill(model: torch.nn.Module, hf: HFTensors, cfg: DenseModelConfig, progress
             slice(o, o + n) for o, n in zip(st.global_offset[p:], st.local_shape, strict=True))
         st.data.copy_(part[idx].to(st.data.dtype))
 
-    with torch.no_grad(), _progress(progress, "convert") as bar:
-        task = bar.add_task("convert", total=sum(_numel(s) for s in shapes.values()), name="")
+    with torch.no_grad(), progress_bar(progress, "convert") as bar:
+        task = bar.add_task("convert", total=sum(math.prod(s) for s in shapes.values()), name="")
         for key, shape in shapes.items():
             bar.update(task, name=key)
             if is_stacked(key):
@@ -168,12 +156,7 @@ def _fill(model: torch.nn.Module, hf: HFTensors, cfg: DenseModelConfig, progress
                 for st in by_key.get(key, []):
                     copy(st, tensor, 0)
                 del tensor
-            bar.advance(task, _numel(shape))
-
-
-def _floating_dtype(dtypes: list[torch.dtype], default: torch.dtype = torch.float32) -> torch.dtype:
-    floats = [d for d in dtypes if d.is_floating_point]
-    return max(set(floats), key=floats.count) if floats else default
+            bar.advance(task, math.prod(shape))
 
 
 def hf_to_loong(src: Path, dst: Path, dtype: str = "auto", progress: bool = False) -> Path:
@@ -193,7 +176,7 @@ def hf_to_loong(src: Path, dst: Path, dtype: str = "auto", progress: bool = Fals
     hf = HFTensors(src)
     if streams(model_cfg):
         _check_hf(hf, model_cfg)  # names and shapes from the headers: fail before building anything
-    torch_dtype = _DTYPES.get(dtype) or _floating_dtype([hf.meta(k)[1] for k in hf.keys()])
+    torch_dtype = convert_dtype(dtype, [hf.meta(k)[1] for k in hf.keys()], str(src))
     accelerator = select_accelerator("cpu")
     with accelerator.activate():
         layout = init_distributed(accelerator, ParallelConfig())
@@ -276,10 +259,10 @@ def loong_to_hf(src: Path, dst: Path, dtype: str = "auto", merge_lora: bool = Fa
     cfg = checkpoint_model_config(step_dir, key=None)
     keys, get, whole = _checkpoint_native(step_dir, cfg, merge_lora)
     saved = whole[keys[0]].dtype if whole is not None else CheckpointTensors(step_dir).meta[keys[0]][1]
-    out_dtype = _DTYPES.get(dtype, saved)
+    out_dtype = convert_dtype(dtype, [saved], str(step_dir))
     writer = ShardWriter(dst, max_shard_bytes)
-    total = sum(_numel(s) for s in native_shapes(cfg).values())
-    with _progress(progress, "convert") as bar:
+    total = sum(math.prod(s) for s in native_shapes(cfg).values())
+    with progress_bar(progress, "convert") as bar:
         task = bar.add_task("convert", total=total, name="")
         for _, name, tensor in _hf_tensors_of(keys, get, whole, cfg):
             bar.update(task, name=name)
@@ -310,8 +293,8 @@ def verify(hf_folder: str | Path, checkpoint: str | Path, into: str, merge_lora:
     seen: set[str] = set()
     count = numel = 0
     dtypes: set[tuple[str, str]] = set()
-    with _progress(progress, "verify") as bar:
-        task = bar.add_task("verify", total=sum(_numel(s) for s in native_shapes(cfg).values()), name="")
+    with progress_bar(progress, "verify") as bar:
+        task = bar.add_task("verify", total=sum(math.prod(s) for s in native_shapes(cfg).values()), name="")
         for native_key, name, ours in _hf_tensors_of(keys, get, whole, cfg):
             bar.update(task, name=name)
             where = f"{name} (native {native_key})" if native_key else name
