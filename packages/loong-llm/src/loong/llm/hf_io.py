@@ -18,6 +18,7 @@ from loong.core.checkpoint.safetensors_io import (
     SafetensorsFolder,
     ShardWriter,
     parse_size,
+    read_json,
 )
 from loong.core.errors import LoongError
 
@@ -34,14 +35,6 @@ TOKENIZER_FILES = (
     "chat_template.jinja",
     "chat_template.json",
 )
-
-
-def _read_json(path: Path) -> dict[str, Any]:
-    try:
-        with open(path) as f:
-            return json.load(f)
-    except json.JSONDecodeError as e:
-        raise LoongError(f"{path}: not valid JSON ({e})") from None
 
 
 def _load(path: Path) -> dict[str, torch.Tensor]:
@@ -63,9 +56,9 @@ def read_hf_folder(path: str | Path) -> tuple[dict[str, Any], dict[str, torch.Te
         raise LoongError(f"{folder}: no such Hugging Face model folder")
     if not (folder / "config.json").is_file():
         raise LoongError(f"{folder}: no config.json (not a Hugging Face model folder)")
-    config = _read_json(folder / "config.json")
+    config = read_json(folder / "config.json")
     if (folder / INDEX).is_file():
-        weight_map: dict[str, str] = _read_json(folder / INDEX).get("weight_map", {})
+        weight_map: dict[str, str] = read_json(folder / INDEX).get("weight_map", {})
         state: dict[str, torch.Tensor] = {}
         for shard in dict.fromkeys(weight_map.values()):
             state.update(_load(folder / shard))

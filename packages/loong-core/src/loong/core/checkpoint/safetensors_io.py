@@ -11,6 +11,7 @@ lives in the core so that no modality imports another for it. Nothing here unpic
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import time
@@ -89,19 +90,13 @@ def progress_bar(enabled: bool, what: str) -> Any:
                     console=Console(stderr=True), disable=not enabled)
 
 
-def _read_json(path: Path) -> dict[str, Any]:
+def read_json(path: Path) -> dict[str, Any]:
+    """A JSON file of a model folder (config, index); one line naming the file when it is not valid JSON."""
     try:
         with open(path) as f:
             return json.load(f)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise LoongError(f"{path}: not valid JSON ({e})") from None
-
-
-def _numel(shape: Iterable[int]) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
 
 
 def safetensors_header(path: Path) -> tuple[int, dict[str, Any]]:
@@ -141,7 +136,7 @@ class SafetensorsFolder:
         if not folder.is_dir():
             raise LoongError(f"{folder}: no such {what}")
         if (folder / index).is_file():
-            weight_map = _read_json(folder / index).get("weight_map")
+            weight_map = read_json(folder / index).get("weight_map")
             if not isinstance(weight_map, dict) or not weight_map:
                 raise LoongError(f"{folder / index}: no weight_map")
             files = list(dict.fromkeys(weight_map.values()))
@@ -199,9 +194,9 @@ class SafetensorsFolder:
             f.seek(base + start)
             if f.readinto(memoryview(out.numpy())) != end - start:
                 raise LoongError(f"{self.folder / name}: tensor {key} is truncated")
-        if end - start != _numel(shape) * dtype.itemsize:
+        if end - start != math.prod(shape) * dtype.itemsize:
             raise LoongError(f"{self.folder / name}: tensor {key} has {end - start} bytes, its shape {list(shape)} "
-                             f"and dtype {entry['dtype']} need {_numel(shape) * dtype.itemsize}")
+                             f"and dtype {entry['dtype']} need {math.prod(shape) * dtype.itemsize}")
         return out.view(dtype).reshape(shape)
 
     def load_all(self) -> dict[str, torch.Tensor]:
@@ -371,5 +366,5 @@ def verify_summary(parts: Iterable[tuple[int, int, set[tuple[str, str]]]], writt
 
 __all__ = ["CONVERT_DTYPES", "DEFAULT_MAX_SHARD_BYTES", "SafetensorsFolder", "ShardWriter", "TensorSource",
            "VerifyError", "bit_equal", "compare_tensors", "convert_dtype", "first_difference", "index_name",
-           "owned_tensors", "parse_size", "progress_bar", "safetensors_header", "verify_summary", "weights_name",
+           "owned_tensors", "parse_size", "progress_bar", "read_json", "safetensors_header", "verify_summary", "weights_name",
            "write_shards"]

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from loong.core.attention import CPGroups
-from loong.core.checkpoint.safetensors_io import SafetensorsFolder, write_shards
+from loong.core.checkpoint.safetensors_io import SafetensorsFolder, read_json, write_shards
 from loong.core.errors import LoongError
 from loong.diffusion.models.wan.config import WanConfig
 from loong.diffusion.models.wan.model import WanTransformer
@@ -192,7 +192,7 @@ def read_diffusers_folder(path: str | Path) -> tuple[dict[str, Any], dict[str, t
         hint = f"; this looks like a pipeline folder, pass {path / 'transformer'}" if (
             path / "transformer" / CONFIG_NAME).is_file() else ""
         raise LoongError(f"{path} has no {CONFIG_NAME} of a diffusers transformer{hint}")
-    config = _read_json(path / CONFIG_NAME)
+    config = read_json(path / CONFIG_NAME)
     if not (path / WEIGHTS_NAME).is_file() and not (path / INDEX_NAME).is_file():
         pickles = sorted(p.name for p in path.iterdir() if p.suffix in (".bin", ".pt", ".pth", ".ckpt"))
         raise LoongError(f"{path} has no {WEIGHTS_NAME} (nor {INDEX_NAME})"
@@ -201,13 +201,6 @@ def read_diffusers_folder(path: str | Path) -> tuple[dict[str, Any], dict[str, t
     # the shards of the index (or the single file), every tensor the index names present: one-line errors
     state = SafetensorsFolder(path, stem=WEIGHTS_STEM, what="diffusers folder").load_all()
     return config, state
-
-
-def _read_json(path: Path) -> dict[str, Any]:
-    try:
-        return json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise LoongError(f"{path}: not valid JSON ({exc})") from None
 
 
 def check_diffusers_weights(path: str | Path, config: WanConfig, weights: Mapping[str, torch.Tensor]) -> None:
