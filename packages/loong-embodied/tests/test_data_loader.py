@@ -132,8 +132,10 @@ def test_a_corrupt_video_fails_or_is_skipped_deterministically(data: SimpleNames
     skipping = build_mixture([root], chunk_size=CHUNK, on_error="skip")
     n = len(skipping.frames[0])
     caplog.set_level(logging.WARNING, logger="loong.embodied.data")
-    # the worker loader first: a process that has decoded a corrupt AV1 file is not safe to fork (loader docs)
-    loaders = {w: make_train_loader(skipping, batch_size=n, num_batches=2, num_workers=w, timeout=120) for w in (1, 0)}
+    # the worker loader first, from a fork server: a process that has decoded a corrupt AV1 file (or, like this
+    # pytest process, a great deal else) is not safe to fork (loader docs); CI once saw the forked worker segfault
+    loaders = {w: make_train_loader(skipping, batch_size=n, num_batches=2, num_workers=w, timeout=120,
+                                    multiprocessing_context="forkserver" if w else None) for w in (1, 0)}
     batches = {w: list(loader) for w, loader in loaders.items()}
     _same_batches(batches[0], batches[1])
     # the oracle: which frames read, one by one, with on_error="fail"
