@@ -212,6 +212,13 @@ def test_preprocess_bad_input(cli, corpus: Path, name: str, extra: list[str], ex
     assert expected.format(f=f, d=corpus) in msg and len(msg) < 400, msg
 
 
+def test_a_failed_preprocess_removes_the_folders_it_made(cli, corpus: Path) -> None:
+    """``--output-prefix`` under folders that do not exist yet: they are made, and removed again on failure."""
+    msg = cli("preprocess", str(corpus / "truncated.jsonl"), "--output-prefix", str(corpus / "new" / "sub" / "p"),
+              "--workers", "1", "--no-progress", train=False)
+    assert "truncated.jsonl:3: not valid JSON" in msg and not (corpus / "new").exists(), msg
+
+
 def test_preprocess_skip_policy_counts_the_bad_lines(corpus: Path, tmp_path: Path,
                                                      capsys: pytest.CaptureFixture) -> None:
     """``--on-error skip``: the documented policy for malformed records; the good ones are written."""

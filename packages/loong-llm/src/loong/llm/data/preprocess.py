@@ -210,6 +210,7 @@ def preprocess(inputs: Sequence[str | Path], output_prefix: str | Path, tokenize
             raise LoongError(f"input {p} {'is not a file' if p.exists() else 'does not exist'}")
     kinds = [resolve_format(p, fmt) for p in paths]
     prefix = Path(output_prefix)
+    made = [d for d in (prefix.parent, *prefix.parent.parents) if not d.exists()]  # deepest first
     prefix.parent.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
     tmp = {ext: prefix.with_name(f".{prefix.name}.{os.getpid()}.tmp{ext}") for ext in (".bin", ".idx", ".json")}
@@ -272,6 +273,11 @@ def preprocess(inputs: Sequence[str | Path], output_prefix: str | Path, tokenize
             builder.data_file.close()
         for path in tmp.values():
             path.unlink(missing_ok=True)
+        for d in made:  # a failed run leaves no folder of its own behind (but never removes one it did not make)
+            try:
+                d.rmdir()
+            except OSError:
+                break
         raise
     finally:
         if pool is not None:
