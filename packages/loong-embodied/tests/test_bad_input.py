@@ -84,3 +84,20 @@ TRAIN_CASES = [  # (override, the text the line holds)
 def test_train_bad_input(cli, corpus: Path, override: str, expected: str) -> None:
     msg = cli("train", override.format(d=corpus))
     assert expected.format(d=corpus) in msg and len(msg) < 500, msg
+
+
+@pytest.mark.parametrize("policy,processor_class,config_class", [
+    ("pi05", "Pi05Processor", "Pi05Config"), ("groot_n1_7", "GrootN17Processor", "GrootN17Config"),
+    ("groot_n1_6", "GrootN16Processor", "GrootN16Config")])
+def test_a_broken_processor_file_is_named(tmp_path: Path, policy: str, processor_class: str,
+                                          config_class: str) -> None:
+    """A saved policy's processor file cut mid-write: one line naming it (was: a JSONDecodeError traceback)."""
+    import importlib
+
+    from loong.core.errors import LoongError
+
+    processor = importlib.import_module(f"loong.embodied.policies.{policy}.processor")
+    config = getattr(importlib.import_module(f"loong.embodied.policies.{policy}.config"), config_class)()
+    (tmp_path / processor.PROCESSOR_FILE).write_text('{"state_dim": 2, ')
+    with pytest.raises(LoongError, match=f"{tmp_path / processor.PROCESSOR_FILE}: not valid JSON"):
+        getattr(processor, processor_class).load(tmp_path, config)

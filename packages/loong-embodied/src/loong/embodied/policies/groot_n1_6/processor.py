@@ -34,6 +34,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from loong.core.checkpoint.safetensors_io import read_json
 from loong.core.errors import LoongError
 from loong.embodied.data.normalize import (
     check_same_dims,
@@ -309,7 +310,7 @@ class GrootN16Processor(PolicyProcessor):
         meta_path = directory / PROCESSOR_FILE
         if not meta_path.is_file():
             raise LoongError(f"{directory}: no {PROCESSOR_FILE} (not a saved GR00T N1.6 processor)")
-        meta = json.loads(meta_path.read_text(encoding="utf-8"))
+        meta = read_json(meta_path)
         tokenizer = load_tokenizer(str(directory / TOKENIZER_DIR))
         return cls(config, features=meta["features"], stats=meta["stats"], camera_keys=meta["camera_keys"],
                    state_key=meta["state_key"], action_key=meta["action_key"], tokenizer=tokenizer,

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from loong.core.checkpoint.safetensors_io import read_json
 from loong.core.errors import LoongError
 from loong.embodied.data.normalize import (
     check_same_dims,
@@ -321,7 +322,7 @@ class GrootN17Processor(PolicyProcessor):
         meta_path = directory / PROCESSOR_FILE
         if not meta_path.is_file():
             raise LoongError(f"{directory}: no {PROCESSOR_FILE} (not a saved GR00T N1.7 processor)")
-        meta = json.loads(meta_path.read_text(encoding="utf-8"))
+        meta = read_json(meta_path)
         return cls(config, stats=meta["stats"], camera_keys=meta["camera_keys"], state_key=meta["state_key"],
                    action_key=meta["action_key"], vlm_processor=load_vlm_processor(directory / VLM_PROCESSOR_DIR),
                    source=str(meta_path), source_stats=meta.get("source_stats", []),

@@ -20,6 +20,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from loong.core.checkpoint.safetensors_io import read_json
 from loong.core.errors import LoongError
 from loong.embodied.data.normalize import (
     Normalizer,
@@ -256,7 +257,7 @@ class Pi05Processor(PolicyProcessor):
         meta_path = directory / PROCESSOR_FILE
         if not meta_path.is_file():
             raise LoongError(f"{directory}: no {PROCESSOR_FILE} (not a saved Pi0.5 processor)")
-        meta = json.loads(meta_path.read_text(encoding="utf-8"))
+        meta = read_json(meta_path)
 
         def read_stats(path: Path) -> dict[str, dict[str, Any]]:
             stats: dict[str, dict[str, Any]] = {}
