@@ -238,3 +238,17 @@ def test_serve_routes_the_clients_embodiment_id_to_its_heads(mix) -> None:
         np.testing.assert_allclose(answers[embodiment], by_hand(embodiment), rtol=0, atol=1e-6)
     assert not np.allclose(answers[IDS[0]], answers[IDS[1]], atol=1e-4)  # the heads differ per embodiment
     np.testing.assert_array_equal(answers[None], answers[IDS[0]])  # no id: dataset 0's embodiment
+
+
+def test_eval_and_serve_take_the_dataset_of_a_mix(mix, tmp_path: Path) -> None:
+    """``--source``: the mix's dataset whose statistics and embodiment the robot uses, by name or index; a name
+    the policy does not know fails before anything is written or served."""
+    rc, log = _main("eval", str(mix.run_dir), "--device", "cpu", "--source", "reach_b", "--episodes", "1",
+                    "--no-random", "--no-progress", "-o", str(tmp_path / "eval"))
+    assert rc == 0, log[-3000:]
+    (summary,) = [json.loads(p.read_text()) for p in (tmp_path / "eval").glob("*.json")]
+    assert summary["source"] == 1
+    for verb, extra in (("eval", ["-o", str(tmp_path / "bad")]), ("serve", ["--port", "0"])):
+        rc, log = _main(verb, str(mix.run_dir), "--device", "cpu", "--source", "reach_c", *extra)
+        assert rc == 2 and "--source: 'reach_c' names none of the policy's datasets (0: reach_a, 1: reach_b)" in log, log
+        assert not (tmp_path / "bad").exists()

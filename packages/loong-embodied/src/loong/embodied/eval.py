@@ -26,7 +26,7 @@ import gymnasium as gym
 import numpy as np
 
 from loong.core.errors import LoongError
-from loong.embodied.inference import PolicyRunner, env_observation, load_policy
+from loong.embodied.inference import PolicyRunner, env_observation, load_policy, resolve_source
 
 DEFAULT_ENV = "loong/Reach-v0"
 #: frames of each episode in the PNG strip
@@ -198,17 +198,20 @@ def write_media(results: Sequence[EpisodeResult], gif: Path, png: Path, fps: flo
 def evaluate(ckpt: str | Path, *, env_id: str = DEFAULT_ENV, env_kwargs: Mapping[str, Any] | None = None,
              episodes: int = 20, seed: int = 0, ema: bool = False, device: str = "auto", dtype: str = "auto",
              n_action_steps: int | None = None, max_steps: int | None = None, random_baseline: bool = True,
-             record: int = 4, output: str | Path | None = None, progress: bool = True) -> dict[str, Any]:
+             record: int = 4, output: str | Path | None = None, progress: bool = True,
+             source: int | str | None = None) -> dict[str, Any]:
     """Roll the policy of ``ckpt`` out for ``episodes`` episodes (seeds ``seed ..``), and the env's random
     policy on the same seeds; write the summary JSON, GIF and PNG (see the module docstring) and return the
-    summary (``summary["files"]``: what was written)."""
+    summary (``summary["files"]``: what was written). ``source``: a mix-trained policy's dataset whose statistics
+    and embodiment the env's observations and actions use (:func:`~loong.embodied.inference.resolve_source`)."""
     if not isinstance(episodes, int) or episodes < 1:
         raise LoongError(f"--episodes: must be an int >= 1, got {episodes!r}")
     if max_steps is not None and max_steps < 1:
         raise LoongError(f"--max-steps: must be >= 1, got {max_steps!r}")
     started = time.perf_counter()
     loaded = load_policy(ckpt, ema=ema, device=device, dtype=dtype)
-    runner = PolicyRunner(loaded, seed=seed, n_action_steps=n_action_steps)
+    runner = PolicyRunner(loaded, seed=seed, n_action_steps=n_action_steps,
+                          source=resolve_source(loaded.processor, source, "--source"))
     env = make_env(env_id, env_kwargs)
     seeds = [seed + i for i in range(episodes)]
     blocks: dict[str, list[EpisodeResult]] = {}
@@ -231,7 +234,7 @@ def evaluate(ckpt: str | Path, *, env_id: str = DEFAULT_ENV, env_kwargs: Mapping
     summary: dict[str, Any] = {
         "checkpoint": str(loaded.step_dir), "policy_name": loaded.name, "step": loaded.step, "ema": ema,
         "env": env_id, "env_kwargs": dict(env_kwargs or {}), "seeds": [seeds[0], seeds[-1]],
-        "n_action_steps": runner.n_action_steps, "device": str(loaded.device),
+        "n_action_steps": runner.n_action_steps, "source": runner.source, "device": str(loaded.device),
         "dtype": str(loaded.dtype).removeprefix("torch."),
         **{label: summarise(results) for label, results in blocks.items()},
     }

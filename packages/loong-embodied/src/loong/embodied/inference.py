@@ -345,7 +345,7 @@ class PolicyRunner:
             "cameras": self.cameras, "state_key": self.state_key,
             "state_dim": getattr(loaded.processor, "state_dim", None),
             "action_dim": getattr(loaded.processor, "action_dim", None),
-            "chunk_size": self.config.chunk_size, "n_action_steps": self.n_action_steps,
+            "chunk_size": self.config.chunk_size, "n_action_steps": self.n_action_steps, "source": self.source,
             "device": str(loaded.device), "dtype": str(loaded.dtype).removeprefix("torch."),
         }
 

@@ -24,6 +24,10 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="auto", help="auto (cuda when available), cpu, cuda, cuda:N")
     p.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16"],
                    help="compute dtype (auto: bf16 on CUDA, fp32 on the CPU)")
+    p.add_argument("--source", default=None, metavar="N|NAME",
+                   help="for a policy trained on a mix of datasets: the dataset (index, folder or folder name) "
+                        "whose normalisation statistics and embodiment the robot's observations and actions use "
+                        "(default: 0, the first)")
 
 
 def parse_env_kwargs(pairs: list[str]) -> dict[str, Any]:
@@ -70,7 +74,7 @@ def _run_eval(args: argparse.Namespace) -> int:
                        episodes=args.episodes, seed=args.seed, ema=args.ema, device=args.device, dtype=args.dtype,
                        n_action_steps=args.n_action_steps, max_steps=args.max_steps,
                        random_baseline=not args.no_random, record=args.record, output=args.output,
-                       progress=not args.no_progress)
+                       progress=not args.no_progress, source=args.source)
     weights = "EMA weights" if summary["ema"] else "weights"
     print(f"{summary['policy_name']} step {summary['step']} ({weights}) on {summary['env']}, seeds "
           f"{summary['seeds'][0]}..{summary['seeds'][1]}:", file=sys.stderr)
@@ -121,7 +125,7 @@ def _run_serve(args: argparse.Namespace) -> int:
     try:
         serve(args.ckpt, host=args.host, port=args.port, key_map=read_key_map(args.key_map, args.map),
               use_default_map=not args.no_default_map, ema=args.ema, device=args.device, dtype=args.dtype,
-              seed=args.seed, default_task=args.default_prompt, on_ready=ready)
+              seed=args.seed, default_task=args.default_prompt, source=args.source, on_ready=ready)
     except KeyboardInterrupt:
         print("stopped", file=sys.stderr)
     return 0

@@ -309,16 +309,18 @@ class PolicyServer:
 
 def serve(ckpt: str | Path, *, host: str = "0.0.0.0", port: int = 8000, key_map: Mapping[str, str] | None = None,
           use_default_map: bool = True, ema: bool = False, device: str = "auto", dtype: str = "auto",
-          seed: int | None = 0, default_task: str | None = None,
+          seed: int | None = 0, default_task: str | None = None, source: int | str | None = None,
           on_ready: Callable[[PolicyServer], None] | None = None) -> None:
-    """Load the policy of ``ckpt`` and serve it until interrupted."""
-    from loong.embodied.inference import load_policy
+    """Load the policy of ``ckpt`` and serve it until interrupted; ``source``: a mix-trained policy's dataset
+    whose statistics and embodiment the robot uses (:func:`~loong.embodied.inference.resolve_source`)."""
+    from loong.embodied.inference import load_policy, resolve_source
 
     if not isinstance(port, int) or not 0 <= port <= 65535:
         raise LoongError(f"--port: must be 0..65535, got {port!r}")
     keys = KeyMap(key_map, use_defaults=use_default_map)
     loaded = load_policy(ckpt, ema=ema, device=device, dtype=dtype)
-    runner = PolicyRunner(loaded, seed=seed, default_task=default_task)
+    runner = PolicyRunner(loaded, seed=seed, default_task=default_task,
+                          source=resolve_source(loaded.processor, source, "--source"))
     PolicyServer(runner, host=host, port=port, key_map=keys).serve_forever(on_ready)
 
 
