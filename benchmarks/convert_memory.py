@@ -1,4 +1,4 @@
-"""Peak memory of ``loong-llm convert`` on a ~1B-parameter model, both ways, against the model's size.
+"""Peak memory of ``loong-llm convert`` (~1B parameters) and ``loong-diffusion convert``, both ways, vs. the model's size.
 
 A random-weight Llama of the Llama-3.2-1B shape (16 layers, hidden 2048, FFN 8192, 32 heads / 8 KV heads,
 vocabulary 128256, tied embeddings: 1.24 B parameters) is written as a bf16 Hugging Face folder in
@@ -15,6 +15,11 @@ and the baseline RSS of a process that only imports the converter (torch + megat
 writes JSON (command, versions, hardware, figures) to ``benchmarks/results/convert_memory_cpu_<date>.json``.
 
     uv run python benchmarks/convert_memory.py                # ~1.24 B parameters, ~2.5 GB bf16 on disk
+    uv run python benchmarks/convert_memory.py --converters diffusion   # the Wan rows alone (~0.4 GiB)
+
+``--converters diffusion`` (also in the default run) measures ``loong-diffusion convert`` both ways on a random
+bf16 Wan 2.1 1.3B-shaped transformer of ``--wan-layers`` blocks (4: ~0.19 B parameters), the Loong -> diffusers
+run in 100MB shards; a run without llm writes ``convert_memory_<converters>_cpu_<date>.json``.
 """
 
 from __future__ import annotations
@@ -44,6 +49,7 @@ print(json.dumps({"rc": proc.returncode, "peak_rss_bytes": peak, "wall_s": wall,
 """
 
 BASELINE = "import loong.llm.convert, megatron.core.dist_checkpointing, torch.distributed.checkpoint"
+DIFFUSION_BASELINE = "import loong.diffusion.convert, loong.diffusion.cli, torch.distributed.checkpoint"
 
 
 def llama_1b(layers: int) -> dict:
@@ -90,6 +96,50 @@ def write_random_hf(folder: Path, cfg: dict, shard_bytes: int) -> dict:
             "largest_native_tensor_bytes": native_largest * 2}
 
 
+def write_random_wan(folder: Path, layers: int) -> dict:
+    """A bf16 diffusers folder of a Wan 2.1 1.3B-shaped transformer with ``layers`` blocks (random weights, one
+    tensor in memory at a time: the model is built on the meta device only for its names and shapes); its sizes."""
+    import dataclasses
+
+    import torch
+
+    from loong.core.checkpoint.safetensors_io import ShardWriter
+    from loong.diffusion.models.wan import WanTransformer, config_to_diffusers, to_diffusers, wan_preset
+    from loong.diffusion.models.wan.mapping import CONFIG_NAME, WEIGHTS_STEM
+
+    wan = dataclasses.replace(wan_preset("wan2_1_t2v_1_3b"), num_layers=layers)
+    with torch.device("meta"):
+        native = WanTransformer(wan).state_dict()
+    shapes = {k: tuple(v.shape) for k, v in to_diffusers(native).items()}
+    gen = torch.Generator().manual_seed(0)
+    writer = ShardWriter(folder, 10 * GIB, stem=WEIGHTS_STEM)
+    for key, shape in shapes.items():
+        writer.add(key, torch.randn(shape, generator=gen).mul_(0.02).to(torch.bfloat16))
+    files = writer.close()
+    (folder / CONFIG_NAME).write_text(json.dumps(config_to_diffusers(wan), indent=2, sort_keys=True) + "\n")
+    params = sum(torch.Size(s).numel() for s in shapes.values())
+    largest = max(shapes.items(), key=lambda kv: torch.Size(kv[1]).numel())
+    native_largest = max(native.items(), key=lambda kv: kv[1].numel())
+    return {"converter": "loong-diffusion", "shape": f"wan2_1_t2v_1_3b with num_layers={layers}",
+            "parameters": params, "bytes": params * 2, "shards": len(files),
+            "largest_diffusers_tensor": {"name": largest[0], "bytes": torch.Size(largest[1]).numel() * 2},
+            "largest_native_tensor": {"name": native_largest[0], "bytes": native_largest[1].numel() * 2}}
+
+
+def diffusion_rows(tmp: Path, layers: int, env: dict) -> tuple[dict, dict]:
+    """(model sizes, runs) of ``loong-diffusion convert`` both ways on a random Wan."""
+    exe = [sys.executable, "-m", "loong.diffusion.cli"]
+    t = time.perf_counter()
+    model = write_random_wan(tmp / "wan", layers)
+    model["write_s"] = round(time.perf_counter() - t, 1)
+    runs = {"diffusion baseline (imports only)": measure([sys.executable, "-c", DIFFUSION_BASELINE], env),
+            "diffusers -> Loong": measure([*exe, "convert", str(tmp / "wan"), str(tmp / "wan_loong"),
+                                           "--no-progress"], env),
+            "Loong -> diffusers": measure([*exe, "convert", str(tmp / "wan_loong"), str(tmp / "wan2"),
+                                           "--no-progress", "--max-shard-size", "100MB"], env)}
+    return model, runs
+
+
 def measure(cmd: list[str], env: dict) -> dict:
     """Peak RSS and wall time of ``cmd`` in a child of a fresh measuring process."""
     proc = run_child([sys.executable, "-c", MEASURE, *cmd], env=env)
@@ -108,60 +158,81 @@ def main() -> None:
     parser.add_argument("--hf-shard-size", default="1GB", help="shard size of the generated HF folder (1GB)")
     parser.add_argument("--max-shard-size", default="1GB", help="--max-shard-size of the Loong -> HF run (1GB)")
     parser.add_argument("--verify", action="store_true", help="also measure both directions with --verify")
+    parser.add_argument("--converters", default="llm,diffusion",
+                        help="comma-separated converters to measure: llm, diffusion (default: both)")
+    parser.add_argument("--wan-layers", type=int, default=4,
+                        help="Wan blocks of the diffusion model (4: ~0.19 B parameters, ~0.37 GiB bf16)")
     parser.add_argument("--dir", default=None, help="work folder (default: a temporary one, removed after)")
     args = parser.parse_args()
 
     from loong.llm.hf_io import parse_size
 
+    which = {c.strip() for c in args.converters.split(",") if c.strip()}
+    if not which or which - {"llm", "diffusion"}:
+        raise SystemExit(f"--converters {args.converters}: a comma-separated subset of llm, diffusion")
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     exe = [sys.executable, "-m", "loong.llm.cli"]
     hardware = host()
+    result: dict = {"benchmark": "convert_memory", "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+                    "command": "python benchmarks/convert_memory.py " + " ".join(sys.argv[1:]),
+                    "versions": versions(["loong-llm", "loong-diffusion", "loong-core", "megatron-core", "torch",
+                                          "safetensors", "transformers", "diffusers"]),
+                    "notes": "peak RSS: ru_maxrss of the convert process (getrusage RUSAGE_CHILDREN in a fresh "
+                             "parent); '- baseline' subtracts the peak RSS of a process that only imports that "
+                             "converter; 'x model' is that difference over the model's bf16 bytes"}
     with tempfile.TemporaryDirectory(prefix="loong-convert-bench-", dir=args.dir) as tmp:
         tmp = Path(tmp)
-        t = time.perf_counter()
-        model = write_random_hf(tmp / "hf", llama_1b(args.layers), parse_size(args.hf_shard_size))
-        model["write_s"] = round(time.perf_counter() - t, 1)
-        runs = {"baseline (imports only)": measure([sys.executable, "-c", BASELINE], env),
-                "HF -> Loong": measure([*exe, "convert", str(tmp / "hf"), str(tmp / "loong"), "--no-progress"], env),
-                "Loong -> HF": measure([*exe, "convert", str(tmp / "loong"), str(tmp / "hf2"), "--no-progress",
-                                        "--max-shard-size", args.max_shard_size], env)}
-        ckpt_bytes = sum(p.stat().st_size for p in (tmp / "loong").rglob("*.distcp"))
-        out_shards = len(list((tmp / "hf2").glob("*.safetensors")))
-        if args.verify:
-            runs["HF -> Loong --verify"] = measure([*exe, "convert", str(tmp / "hf"), str(tmp / "loong_v"),
-                                                    "--no-progress", "--verify"], env)
-            runs["Loong -> HF --verify"] = measure([*exe, "convert", str(tmp / "loong"), str(tmp / "hf_v"),
-                                                    "--no-progress", "--verify", "--max-shard-size",
-                                                    args.max_shard_size], env)
-    base = runs["baseline (imports only)"]["peak_rss_bytes"]
-    print(f"model: {model['parameters'] / 1e9:.2f} B parameters, {model['bytes'] / GIB:.2f} GiB bf16 in "
-          f"{model['shards']} shards; largest HF tensor {model['largest_hf_tensor']['bytes'] / GIB:.2f} GiB "
-          f"({model['largest_hf_tensor']['name']}); largest native tensor "
-          f"{model['largest_native_tensor_bytes'] / GIB:.2f} GiB; Loong checkpoint {ckpt_bytes / GIB:.2f} GiB; "
-          f"HF output in {out_shards} shards")
-    print(f"{'run':<24} {'peak RSS GiB':>12} {'- baseline':>11} {'x model':>8} {'wall s':>7}")
-    for name, r in runs.items():
-        r["peak_rss_gib"] = round(r["peak_rss_bytes"] / GIB, 2)
-        r["above_baseline_gib"] = round((r["peak_rss_bytes"] - base) / GIB, 2)
-        r["x_model_bytes"] = round((r["peak_rss_bytes"] - base) / model["bytes"], 2)
-        print(f"{name:<24} {r['peak_rss_gib']:>12.2f} {r['above_baseline_gib']:>11.2f} {r['x_model_bytes']:>8.2f} "
-              f"{r['wall_s']:>7.1f}")
-    result = {
-        "benchmark": "convert_memory", "date": time.strftime("%Y-%m-%d %H:%M:%S"),
-        "command": "python benchmarks/convert_memory.py " + " ".join(sys.argv[1:]),
-        "model": {**model, "config": llama_1b(args.layers), "loong_checkpoint_bytes": ckpt_bytes,
-                  "hf_output_shards": out_shards},
-        "versions": versions(["loong-llm", "loong-core", "megatron-core", "torch", "safetensors", "transformers"]),
-        "hardware": {**hardware, "load_average_after": os.getloadavg()},
-        "figures": runs,
-        "notes": "peak RSS: ru_maxrss of the convert process (getrusage RUSAGE_CHILDREN in a fresh parent); "
-                 "'- baseline' subtracts the peak RSS of a process that only imports the converter; "
-                 "'x model' is that difference over the model's bf16 bytes",
-    }
+        if "llm" in which:
+            t = time.perf_counter()
+            model = write_random_hf(tmp / "hf", llama_1b(args.layers), parse_size(args.hf_shard_size))
+            model["write_s"] = round(time.perf_counter() - t, 1)
+            runs = {"baseline (imports only)": measure([sys.executable, "-c", BASELINE], env),
+                    "HF -> Loong": measure([*exe, "convert", str(tmp / "hf"), str(tmp / "loong"), "--no-progress"],
+                                           env),
+                    "Loong -> HF": measure([*exe, "convert", str(tmp / "loong"), str(tmp / "hf2"), "--no-progress",
+                                            "--max-shard-size", args.max_shard_size], env)}
+            ckpt_bytes = sum(p.stat().st_size for p in (tmp / "loong").rglob("*.distcp"))
+            out_shards = len(list((tmp / "hf2").glob("*.safetensors")))
+            if args.verify:
+                runs["HF -> Loong --verify"] = measure([*exe, "convert", str(tmp / "hf"), str(tmp / "loong_v"),
+                                                        "--no-progress", "--verify"], env)
+                runs["Loong -> HF --verify"] = measure([*exe, "convert", str(tmp / "loong"), str(tmp / "hf_v"),
+                                                        "--no-progress", "--verify", "--max-shard-size",
+                                                        args.max_shard_size], env)
+            print(f"llm model: {model['parameters'] / 1e9:.2f} B parameters, {model['bytes'] / GIB:.2f} GiB bf16 in "
+                  f"{model['shards']} shards; largest HF tensor {model['largest_hf_tensor']['bytes'] / GIB:.2f} GiB "
+                  f"({model['largest_hf_tensor']['name']}); largest native tensor "
+                  f"{model['largest_native_tensor_bytes'] / GIB:.2f} GiB; Loong checkpoint {ckpt_bytes / GIB:.2f} "
+                  f"GiB; HF output in {out_shards} shards")
+            _table(runs, "baseline (imports only)", model["bytes"])
+            result.update(model={**model, "config": llama_1b(args.layers), "loong_checkpoint_bytes": ckpt_bytes,
+                                 "hf_output_shards": out_shards}, figures=runs)
+        if "diffusion" in which:
+            model, runs = diffusion_rows(tmp, args.wan_layers, env)
+            print(f"diffusion model: {model['shape']}, {model['parameters'] / 1e9:.3f} B parameters, "
+                  f"{model['bytes'] / GIB:.2f} GiB bf16; largest diffusers tensor "
+                  f"{model['largest_diffusers_tensor']['bytes'] / GIB:.3f} GiB; largest native tensor "
+                  f"{model['largest_native_tensor']['bytes'] / GIB:.3f} GiB ({model['largest_native_tensor']['name']})")
+            _table(runs, "diffusion baseline (imports only)", model["bytes"])
+            result.update(diffusion_model=model, diffusion_figures=runs)
+    result["hardware"] = {**hardware, "load_average_after": os.getloadavg()}
     RESULTS.mkdir(exist_ok=True)
-    path = RESULTS / f"convert_memory_cpu_{time.strftime('%Y%m%d')}.json"
+    tag = "" if which == {"llm"} else "_" + "_".join(sorted(which))  # a partial run keeps the llm file intact
+    path = RESULTS / f"convert_memory{tag}_cpu_{time.strftime('%Y%m%d')}.json"
     path.write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {path}")
+
+
+def _table(runs: dict, baseline: str, model_bytes: int) -> None:
+    """Print (and add to ``runs``) peak RSS, above the baseline and over the model's bytes, per run."""
+    base = runs[baseline]["peak_rss_bytes"]
+    print(f"{'run':<34} {'peak RSS GiB':>12} {'- baseline':>11} {'x model':>8} {'wall s':>7}")
+    for name, r in runs.items():
+        r["peak_rss_gib"] = round(r["peak_rss_bytes"] / GIB, 2)
+        r["above_baseline_gib"] = round((r["peak_rss_bytes"] - base) / GIB, 3)
+        r["x_model_bytes"] = round((r["peak_rss_bytes"] - base) / model_bytes, 2)
+        print(f"{name:<34} {r['peak_rss_gib']:>12.2f} {r['above_baseline_gib']:>11.3f} {r['x_model_bytes']:>8.2f} "
+              f"{r['wall_s']:>7.1f}")
 
 
 if __name__ == "__main__":

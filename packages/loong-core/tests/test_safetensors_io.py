@@ -8,7 +8,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from loong.core.checkpoint.safetensors_io import ShardWriter, convert_dtype
+from loong.core.checkpoint.safetensors_io import LazyTensors, SafetensorsFolder, ShardWriter, convert_dtype
 from loong.core.errors import LoongError
 
 
@@ -52,3 +52,28 @@ def test_convert_dtype_auto_keeps_the_sources_most_common_float_dtype() -> None:
         convert_dtype("auto", [torch.float64], "src")
     with pytest.raises(LoongError, match="^--dtype fp8: one of auto, bf16, fp32, fp16$"):
         convert_dtype("fp8", [bf16], "src")
+
+
+def test_lazy_tensors_read_a_tensor_only_when_asked_for(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``LazyTensors`` lists every name without reading, reads (and casts) exactly the tensor asked for, and gives
+    meta tensors of the saved shapes and dtypes."""
+    tensors = {"a": torch.randn(3, 2), "b": torch.arange(4, dtype=torch.int64), "c": torch.randn(5)}
+    writer = ShardWriter(tmp_path, max_shard_bytes=40)  # shards: the reader follows the index
+    for key, tensor in tensors.items():
+        writer.add(key, tensor)
+    writer.close()
+    folder = SafetensorsFolder(tmp_path)
+    reads: list[str] = []
+    get = folder.get
+    monkeypatch.setattr(folder, "get", lambda key: reads.append(key) or get(key))
+    lazy = LazyTensors(folder, cast=lambda t: t.to(torch.bfloat16) if t.is_floating_point() else t)
+    assert list(lazy) == ["a", "b", "c"] and len(lazy) == 3 and "b" in lazy and "z" not in lazy
+    meta = lazy.meta()
+    assert {k: (tuple(v.shape), v.dtype, v.device.type) for k, v in meta.items()} == {
+        "a": ((3, 2), torch.float32, "meta"), "b": ((4,), torch.int64, "meta"), "c": ((5,), torch.float32, "meta")}
+    assert reads == []
+    assert torch.equal(lazy["c"], tensors["c"].to(torch.bfloat16)) and lazy["c"].dtype == torch.bfloat16
+    assert torch.equal(lazy["b"], tensors["b"]) and lazy["b"].dtype == torch.int64
+    assert reads == ["c", "c", "b", "b"]
+    with pytest.raises(KeyError):
+        lazy["z"]

@@ -100,3 +100,47 @@ def test_bad_max_shard_size_exits_2_and_writes_nothing(tmp_path: Path, folder: P
     rc, log = _main("convert", folder, tmp_path / "out", "--max-shard-size", "lots")
     assert rc == 2 and "max shard size 'lots' is not a positive size" in log
     assert not (tmp_path / "out").exists()
+
+
+def test_loong_to_diffusers_streams_one_tensor_at_a_time(tmp_path: Path, folder: Path,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """Loong -> diffusers reads one checkpoint tensor per read and writes it before the next is read (a converter
+    that loads the whole model first would read them all, or all before the first write)."""
+    from loong.diffusion import convert as conv
+
+    assert _main("convert", folder, tmp_path / "loong", "--no-progress")[0] == 0
+    events: list[tuple[str, int]] = []
+    read, add = conv._read, safetensors_io.ShardWriter.add
+
+    def one_read(plan: object, keys: list[str]) -> dict[str, torch.Tensor]:
+        events.append(("read", len(keys)))
+        return read(plan, keys)  # type: ignore[arg-type]
+
+    def logged_add(self: safetensors_io.ShardWriter, key: str, tensor: torch.Tensor) -> None:
+        events.append(("add", 1))
+        add(self, key, tensor)
+
+    monkeypatch.setattr(conv, "_read", one_read)
+    monkeypatch.setattr(safetensors_io.ShardWriter, "add", logged_add)
+    rc, log = _main("convert", tmp_path / "loong", tmp_path / "out", "--no-progress")
+    assert rc == 0, log
+    reads = [n for kind, n in events if kind == "read"]
+    assert len(reads) == len(WanTransformer(wan_preset("tiny")).state_dict()) and set(reads) == {1}
+    assert events[1] == ("add", 1)  # the first tensor is written before the second is read
+
+
+def test_diffusers_to_loong_never_loads_the_folder_whole(tmp_path: Path, folder: Path,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """diffusers -> Loong reads the folder a tensor (a fused group) at a time, casting as it reads: a whole-folder
+    read fails the test, and no source tensor is read twice."""
+    def whole(self: safetensors_io.SafetensorsFolder) -> dict[str, torch.Tensor]:
+        raise AssertionError("the diffusers folder was loaded whole")
+
+    reads: list[str] = []
+    get = safetensors_io.SafetensorsFolder.get
+    monkeypatch.setattr(safetensors_io.SafetensorsFolder, "load_all", whole)
+    monkeypatch.setattr(safetensors_io.SafetensorsFolder, "get", lambda self, key: reads.append(key) or get(self, key))
+    rc, log = _main("convert", folder, tmp_path / "loong", "--dtype", "bf16", "--no-progress")
+    assert rc == 0, log
+    want = to_diffusers(WanTransformer(wan_preset("tiny")).state_dict())
+    assert sorted(reads) == sorted(want)

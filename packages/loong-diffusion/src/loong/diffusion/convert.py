@@ -14,7 +14,9 @@ Both directions keep the stored dtype unless told otherwise, so diffusers → Lo
 same tensors and ``config.json``, bit for bit. The mapping is ``models.wan.mapping``'s; nothing is unpickled.
 Diffusers folders are read single-file or sharded and written in shards of at most ``max_shard_bytes`` with
 diffusers' index (the core's :mod:`~loong.core.checkpoint.safetensors_io`); :func:`verify` rereads both sides
-and compares every tensor bit for bit. The model is held whole in both directions (a Wan's weights, once).
+and compares every tensor bit for bit. Loong → diffusers streams (one checkpoint tensor in memory at a time, then
+one shard); diffusers → Loong reads one tensor group at a time but holds the Loong state once (DCP's save takes
+the whole state dict).
 """
 
 from __future__ import annotations
@@ -30,7 +32,9 @@ import torch.distributed.checkpoint as dcp
 
 from loong.core.checkpoint import CheckpointManager, read_config, read_state, resolve_checkpoint
 from loong.core.checkpoint.safetensors_io import (
+    LazyTensors,
     SafetensorsFolder,
+    ShardWriter,
     compare_tensors,
     progress_bar,
     verify_summary,
@@ -48,7 +52,9 @@ from loong.diffusion.models.wan.mapping import (
     MAX_SHARD_BYTES,
     WEIGHTS_STEM,
     check_diffusers_weights,
+    config_to_diffusers,
     from_diffusers,
+    open_diffusers_folder,
     read_diffusers_folder,
     to_diffusers,
 )
@@ -104,16 +110,18 @@ class _WeightsOnly:
 def diffusers_to_loong(src: Path, dst: Path, dtype: str = "auto") -> Path:
     """Write the diffusers transformer folder ``src`` as a weights-only Loong checkpoint under ``dst/checkpoints``;
     returns the step directory."""
-    raw, weights = read_diffusers_folder(src)
+    raw, folder = open_diffusers_folder(src)
     try:
         wan = config_from_diffusers(raw, **_pipeline_fields(src))
     except LoongError as exc:  # the config reader knows fields, not the file
         raise LoongError(f"{src / CONFIG_NAME}: {exc}") from None
-    check_diffusers_weights(src, wan, weights)  # names, shapes, dtypes: before anything is written
-    state = from_diffusers(weights)
     target = DTYPES.get(dtype)
-    model = {MODEL_PREFIX + k: (v.to(target) if target is not None and v.is_floating_point() else v).contiguous()
-             for k, v in state.items()}
+    lazy = LazyTensors(folder, cast=lambda t: t.to(target) if target is not None and t.is_floating_point() else t)
+    check_diffusers_weights(src, wan, lazy.meta())  # names, shapes, dtypes from the headers: before any read
+    # the source is read one tensor (or one fused group: qkv) at a time and cast as it is read (a cast of the
+    # concatenation is the concatenation of the casts, bit for bit): only the Loong state is held, once, as
+    # torch DCP's save needs the whole state dict
+    model = {MODEL_PREFIX + k: v.contiguous() for k, v in from_diffusers(lazy).items()}
     run_cfg = DiffusionRunConfig(model=model_config_for(wan), run_name=dst.name, output_dir=str(dst.parent))
     trainer_state = {"step": 0, "weights_only": True, "source": str(src)}
     return CheckpointManager(dst / "checkpoints").save(0, _WeightsOnly(model), trainer_state, to_dict(run_cfg))
@@ -173,10 +181,22 @@ def write_diffusers(states: dict[str, dict[str, torch.Tensor]], wan: WanConfig, 
     return dst
 
 
-def read_checkpoint(path: str | Path, ema: bool = False) -> Checkpoint:
-    """A Loong checkpoint's Wan weights (whole tensors in their saved dtype, on the host; ``ema``: the moving
-    averages of the weights instead) and config. Reads only the model's tensors (no optimiser state) and needs no
-    process group."""
+@dataclasses.dataclass
+class _Plan:
+    """What a checkpoint holds, from its metadata alone: the step directory, config, shape, the trained modules
+    (``("",)`` or both experts), every Wan key's meta tensor under the trained module's names, and the DCP key each
+    is read from (``model.<k>``, or ``ema.<k>`` for an averaged weight when the moving averages are asked for)."""
+
+    step_dir: Path
+    config: dict[str, Any]
+    wan: WanConfig
+    experts: tuple[str, ...]
+    shapes: dict[str, torch.Tensor]
+    source: dict[str, str]
+    dtypes: dict[str, torch.dtype]
+
+
+def _plan(path: str | Path, ema: bool) -> _Plan:
     step_dir = resolve_checkpoint(path)
     config = read_config(step_dir)
     try:
@@ -193,22 +213,35 @@ def read_checkpoint(path: str | Path, ema: bool = False) -> Checkpoint:
         one = WanTransformer(wan).state_dict()
     shapes = {_prefix(e) + k: v for e in experts for k, v in one.items()}
     check_same_model(step_dir, shapes, allow_missing=False)
-
-    def empty(key: str) -> torch.Tensor:
-        return torch.empty(shapes[key.split(".", 1)[1]].shape, dtype=meta[key].properties.dtype)
-
-    tensors = {k: empty(f"model.{k}") for k in shapes}
-    state: dict[str, dict[str, torch.Tensor]] = {"model": tensors}
+    source = {k: f"model.{k}" for k in shapes}
     if ema:
         averaged = {k for k in shapes if f"{EMA_KEY}.{k}" in meta}
         if not averaged:
             decay = config.get("train", {}).get("ema_decay", 0.0)
             raise LoongError(f"{step_dir} holds no moving averages of the weights (its run had train.ema_decay="
                              f"{decay}); drop --ema to use the weights")
-        state[EMA_KEY] = {k: empty(f"{EMA_KEY}.{k}") for k in averaged}
-    dcp.load(state, checkpoint_id=str(step_dir))  # in place, into the tensors above
-    weights = {**tensors, **state.get(EMA_KEY, {})}  # a frozen parameter has no average: its value is its own
-    return Checkpoint(step_dir, config, wan, split_modules(weights))
+        source.update({k: f"{EMA_KEY}.{k}" for k in averaged})  # a frozen parameter has no average: its own value
+    dtypes = {k: meta[d].properties.dtype for k, d in source.items()}
+    return _Plan(step_dir, config, wan, experts, shapes, source, dtypes)
+
+
+def _read(plan: _Plan, keys: list[str]) -> dict[str, torch.Tensor]:
+    """The whole tensors of ``keys`` (trained-module names) in their saved dtype; only their chunks are read."""
+    out = {k: torch.empty(plan.shapes[k].shape, dtype=plan.dtypes[k]) for k in keys}
+    nested: dict[str, dict[str, torch.Tensor]] = {}
+    for k, t in out.items():
+        group, name = plan.source[k].split(".", 1)
+        nested.setdefault(group, {})[name] = t
+    dcp.load(nested, checkpoint_id=str(plan.step_dir))  # in place, into the tensors above
+    return out
+
+
+def read_checkpoint(path: str | Path, ema: bool = False) -> Checkpoint:
+    """A Loong checkpoint's Wan weights (whole tensors in their saved dtype, on the host; ``ema``: the moving
+    averages of the weights instead) and config. Reads only the model's tensors (no optimiser state) and needs no
+    process group. (:func:`loong_to_diffusers` streams instead: one tensor in memory at a time.)"""
+    plan = _plan(path, ema)
+    return Checkpoint(plan.step_dir, plan.config, plan.wan, split_modules(_read(plan, list(plan.shapes))))
 
 
 def load_model(state: dict[str, torch.Tensor], wan: WanConfig, dtype: torch.dtype | None = None,
@@ -229,12 +262,30 @@ def loong_to_diffusers(src: Path, dst: Path, dtype: str = "auto", ema: bool = Fa
                        max_shard_bytes: int = MAX_SHARD_BYTES, progress: bool = False) -> Path:
     """Write a Loong checkpoint's Wan weights (or, ``ema``, their moving averages) as a diffusers folder ``dst``;
     a checkpoint of both A14B experts as ``dst/transformer`` (high-noise) and ``dst/transformer_2`` (low-noise),
-    the folders of a diffusers Wan 2.2 pipeline."""
-    ckpt = read_checkpoint(src, ema=ema)
+    the folders of a diffusers Wan 2.2 pipeline. Streamed: one checkpoint tensor is read, cast, split (fused qkv)
+    and handed to the shard writer at a time, so memory stays near one tensor plus one shard being filled."""
+    plan = _plan(src, ema)
     target = DTYPES.get(dtype)
-    states = {e: {k: v.to(target) if target is not None and v.is_floating_point() else v for k, v in state.items()}
-              for e, state in ckpt.states.items()}
-    return write_diffusers(states, ckpt.wan, dst, max_shard_bytes, progress)
+    dst = Path(dst)
+    with progress_bar(progress, "convert") as bar:
+        task = bar.add_task("convert", total=sum(v.numel() for v in plan.shapes.values()), name="")
+        for expert in plan.experts:
+            folder = dst / PIPELINE_FOLDERS[expert] if expert else dst
+            folder.mkdir(parents=True, exist_ok=True)
+            writer = ShardWriter(folder, max_shard_bytes, stem=WEIGHTS_STEM)
+            for key in (k for k in plan.shapes if k.startswith(_prefix(expert))):
+                (tensor,) = _read(plan, [key]).values()
+                if target is not None and tensor.is_floating_point():
+                    tensor = tensor.to(target)
+                for name, piece in to_diffusers({key.removeprefix(_prefix(expert)): tensor}).items():
+                    bar.update(task, name=name)
+                    writer.add(name, piece)
+                    bar.advance(task, piece.numel())
+                del tensor
+            writer.close()
+            (folder / CONFIG_NAME).write_text(json.dumps(config_to_diffusers(plan.wan), indent=2, sort_keys=True)
+                                              + "\n")
+    return dst
 
 
 def _folder(path: Path) -> SafetensorsFolder:

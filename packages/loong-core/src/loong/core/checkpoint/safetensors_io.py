@@ -15,7 +15,7 @@ import math
 import os
 import re
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -204,6 +204,36 @@ class SafetensorsFolder:
         return {k: self.get(k) for k in self._where}
 
 
+class LazyTensors(Mapping[str, torch.Tensor]):
+    """A read-only mapping over a :class:`SafetensorsFolder` whose ``[key]`` reads that one tensor when asked for
+    (``cast``: applied to each tensor as it is read, e.g. a ``--dtype`` cast), so a mapping written for whole state
+    dicts (``from_diffusers(state)``, which looks up the few parts it fuses) holds only what it builds, never the
+    source model. ``meta()``: the same names as meta tensors, for checks of names, shapes and dtypes."""
+
+    def __init__(self, folder: SafetensorsFolder,
+                 cast: Callable[[torch.Tensor], torch.Tensor] = lambda t: t) -> None:
+        self.folder, self.cast = folder, cast
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        if key not in self.folder:
+            raise KeyError(key)
+        return self.cast(self.folder.get(key))
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.folder.keys())
+
+    def __len__(self) -> int:
+        return len(self.folder.keys())
+
+    def __contains__(self, key: object) -> bool:
+        return key in self.folder
+
+    def meta(self) -> dict[str, torch.Tensor]:
+        """Every tensor as a meta tensor of its saved shape and dtype (nothing read)."""
+        return {k: torch.empty(self.folder.meta(k)[0], dtype=self.folder.meta(k)[1], device="meta")
+                for k in self.folder.keys()}
+
+
 class ShardWriter:
     """Write safetensors shards as tensors arrive: at most one shard (``max_shard_bytes``) is held in memory.
 
@@ -364,7 +394,7 @@ def verify_summary(parts: Iterable[tuple[int, int, set[tuple[str, str]]]], writt
             f"in {time.perf_counter() - start:.1f} s")
 
 
-__all__ = ["CONVERT_DTYPES", "DEFAULT_MAX_SHARD_BYTES", "SafetensorsFolder", "ShardWriter", "TensorSource",
+__all__ = ["CONVERT_DTYPES", "DEFAULT_MAX_SHARD_BYTES", "LazyTensors", "SafetensorsFolder", "ShardWriter", "TensorSource",
            "VerifyError", "bit_equal", "compare_tensors", "convert_dtype", "first_difference", "index_name",
            "owned_tensors", "parse_size", "progress_bar", "read_json", "safetensors_header", "verify_summary", "weights_name",
            "write_shards"]

@@ -187,6 +187,13 @@ def config_from_diffusers(config: Mapping[str, Any], **pipeline: Any) -> WanConf
 def read_diffusers_folder(path: str | Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     """``config.json`` and the diffusers-named weights of a ``WanTransformer3DModel`` folder (one safetensors file,
     or shards with their index)."""
+    config, folder = open_diffusers_folder(path)
+    return config, folder.load_all()
+
+
+def open_diffusers_folder(path: str | Path) -> tuple[dict[str, Any], SafetensorsFolder]:
+    """``config.json`` and the (not yet read) weights of a ``WanTransformer3DModel`` folder, with
+    :func:`read_diffusers_folder`'s one-line errors."""
     path = Path(path)
     if not (path / CONFIG_NAME).is_file():
         hint = f"; this looks like a pipeline folder, pass {path / 'transformer'}" if (
@@ -199,8 +206,7 @@ def read_diffusers_folder(path: str | Path) -> tuple[dict[str, Any], dict[str, t
                          + (f"; Loong does not unpickle {', '.join(pickles)}: convert it to safetensors"
                             if pickles else ""))
     # the shards of the index (or the single file), every tensor the index names present: one-line errors
-    state = SafetensorsFolder(path, stem=WEIGHTS_STEM, what="diffusers folder").load_all()
-    return config, state
+    return config, SafetensorsFolder(path, stem=WEIGHTS_STEM, what="diffusers folder")
 
 
 def check_diffusers_weights(path: str | Path, config: WanConfig, weights: Mapping[str, torch.Tensor]) -> None:
@@ -257,4 +263,4 @@ def save_diffusers(state_dict: Mapping[str, torch.Tensor], config: WanConfig, pa
 
 
 __all__ = ["RULES", "Rule", "config_from_diffusers", "config_to_diffusers", "from_diffusers", "load_diffusers",
-           "read_diffusers_folder", "save_diffusers", "to_diffusers"]
+           "open_diffusers_folder", "read_diffusers_folder", "save_diffusers", "to_diffusers"]
