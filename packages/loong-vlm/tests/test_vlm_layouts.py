@@ -1,7 +1,9 @@
 """The VLM at other layouts reproduces DP=2 (and DP=1): foundation TP=2 (with and without sequence parallelism; the
-encoder unsharded on each TP rank), PP=2 (the encoder on the first stage), EP=2 for the Qwen3-VL-MoE foundation,
-and data-parallel balancing. Loss and every gradient within 1e-5 (fp32), 10 steps track, a TP=2 checkpoint resumes
-at TP=1 with the same next loss, and balancing lowers the predicted rank imbalance, logged every step.
+encoder unsharded on each TP rank), PP=2 (the encoder on the first stage), PP=2 with ``encoder.decoupled=true`` (the
+tower outside the pipeline, its share computed on every stage), EP=2 for the Qwen3-VL-MoE foundation, and
+data-parallel balancing. Loss and every gradient within 1e-5 (fp32), 10 steps track, a TP=2 checkpoint resumes
+at TP=1 and a decoupled PP=2 one at coupled PP=2 with the same next loss, and balancing lowers the predicted rank
+imbalance, logged every step.
 
 One 2-process gloo launch (``workers/vlm_layouts.py``) produces every multi-rank figure; the DP=1 reference runs
 in this process from the same initial weights.
@@ -52,7 +54,7 @@ def test_the_gradients_compared_cover_every_component(layouts: dict) -> None:
         assert max(float(grads[k].abs().max()) for k in keys) > 0, part
 
 
-@pytest.mark.parametrize("layout", ["tp2", "tp2sp", "pp2", "balanced", "moe_ep2"])
+@pytest.mark.parametrize("layout", ["tp2", "tp2sp", "pp2", "pp2_decoupled", "balanced", "moe_ep2"])
 def test_first_step_loss_and_gradients_match_dp2(layouts: dict, layout: str) -> None:
     ref = "moe_dp2" if layout.startswith("moe") else "dp2"
     assert _rel(layouts["loss"][layout], layouts["loss"][ref]) <= 1e-5
@@ -81,7 +83,7 @@ def test_dp2_equals_dp1(layouts: dict) -> None:
     assert _grad_err(got["grads"], ref["grads"]) <= 1e-5
 
 
-@pytest.mark.parametrize("layout", ["tp2", "pp2"])
+@pytest.mark.parametrize("layout", ["tp2", "pp2", "pp2_decoupled"])
 def test_ten_steps_track_dp2(layouts: dict, layout: str) -> None:
     ref, got = layouts["train"]["dp2"], layouts["train"][layout]
     assert len(ref) == len(got) == 10
@@ -94,6 +96,23 @@ def test_tp2_checkpoint_resumes_at_tp1_with_the_same_next_loss(layouts: dict) ->
     assert resumed[:5] == [float("-inf")] * 5  # steps 1-5 came from the checkpoint
     assert _rel(resumed[5], tp2[5]) <= 1e-5
     assert max(_rel(a, b) for a, b in zip(resumed[5:], tp2[5:], strict=True)) <= 1e-5
+
+
+def test_a_decoupled_pp2_checkpoint_resumes_coupled_and_back(layouts: dict) -> None:
+    """``encoder.decoupled=true`` saves the tower under ``encoder.*`` / ``projector.*`` once (stage 0's copy): the
+    coupled PP=2 layout resumes it with the same next losses, and a coupled one resumes decoupled."""
+    for resumed, saved in (("pp2_resumed_from_decoupled", "pp2_decoupled"), ("decoupled_resumed_from_pp2", "pp2")):
+        got, ref = layouts["train"][resumed], layouts["train"][saved]
+        assert got[:5] == [float("-inf")] * 5, resumed
+        assert max(_rel(a, b) for a, b in zip(got[5:], ref[5:], strict=True)) <= 1e-5, resumed
+
+
+def test_a_frozen_decoupled_encoder_holds_no_optimiser_state_on_any_stage(layouts: dict) -> None:
+    ranks = layouts["frozen_decoupled"]["ranks"]
+    assert len(ranks) == 2 and all("encoder" in r and "projector" in r for r in ranks)  # a replica on each stage
+    for r in ranks:
+        assert r["encoder"] == {"optimizer": False, "state": False, "changed": False}, r
+        assert r["projector"] == {"optimizer": True, "state": True, "changed": True}, r
 
 
 def test_balancing_moves_samples_and_lowers_the_predicted_imbalance(layouts: dict) -> None:
@@ -118,3 +137,17 @@ def test_balance_metrics_are_logged_every_step_and_the_cost_fit_once(layouts: di
     assert all(fitted[0][f"balance_cost_{k}"] >= 0 for k in ("a", "b", "c", "enc_a", "enc_b"))
     losses = layouts["train"]["balanced_fit"]
     assert losses[-1] < losses[0]
+
+
+def test_decoupled_with_virtual_pipeline_stages_is_refused() -> None:
+    from loong.core.config import compose_config
+    from loong.core.errors import LoongError
+    from loong.vlm.schema import VLMRunConfig
+    from loong.vlm.task import check_vlm_config
+
+    cfg, _ = compose_config("loong.vlm.configs", "train",
+                            ["parallel.pp=2", "parallel.vpp=2", "encoder.decoupled=true"], VLMRunConfig)
+    with pytest.raises(LoongError, match=r"encoder.decoupled=true with parallel.vpp=2 is not supported"):
+        check_vlm_config(cfg)
+    cfg.parallel.vpp = None
+    check_vlm_config(cfg)  # pp=2 alone is accepted

@@ -5,9 +5,12 @@ and merger over a Qwen2 foundation with M-RoPE) on the synthetic shapes set, fp3
 
 - the loss and every gradient (gathered whole) of one step at DP=2 (the reference in this world), foundation TP=2,
   TP=2 with sequence parallelism (the encoder unsharded on each TP rank), PP=2 (the encoder on the first stage),
+  PP=2 with ``encoder.decoupled=true`` (the tower on every stage, outside the schedule),
   and with ``data.balance.enabled=true`` at DP=2 (plus the plan's predicted max/mean rank cost before and after);
   the tiny Qwen3-VL-MoE (DeepStack, interleaved M-RoPE) at DP=2 and at EP=2;
-- 10 training steps at DP=2, TP=2 and PP=2; TP=2 saves a checkpoint at step 5 that DP=2 (TP=1) resumes;
+- 10 training steps at DP=2, TP=2, PP=2 and PP=2 decoupled; TP=2 saves a checkpoint at step 5 that DP=2 (TP=1)
+  resumes, PP=2 decoupled one that the coupled PP=2 resumes, and back;
+- 2 steps at PP=2 decoupled with ``model.freeze=[encoder]`` (which parameters the optimiser holds, on each rank);
 - 4 balanced steps with ``data.balance.cost=fit`` (per-step balance metrics, one fit with the encoder terms).
 
 Every layout starts from the DP=2 run's initial weights (megatron's random initialisation differs between pipeline
@@ -47,6 +50,7 @@ LAYOUTS = {
     "tp2": ["parallel.tp=2"],
     "tp2sp": ["parallel.tp=2", "parallel.sequence_parallel=true"],
     "pp2": ["parallel.pp=2"],
+    "pp2_decoupled": ["parallel.pp=2", "encoder.decoupled=true"],
     "balanced": ["parallel.tp=1", "data.balance.enabled=true"],
     "moe_dp2": ["model=tiny_qwen3_vl_moe", "parallel.tp=1"],
     "moe_ep2": ["model=tiny_qwen3_vl_moe", "parallel.ep=2"],
@@ -126,6 +130,32 @@ def fit_and_losses(cfg, layout, task, acc, run_dir: Path, resume: Path | None = 
     return losses, records, engine
 
 
+def frozen_decoupled(root: Path, acc, weights: dict) -> dict:  # noqa: ANN001
+    """Two steps at PP=2 with the decoupled tower and ``model.freeze=[encoder]``: per component, on every rank,
+    whether any of its parameters is in the optimiser, holds Adam state, or changed; and whether its replica is
+    here (gathered from every rank)."""
+    from loong.core.engines.megatron.state import unwrap
+
+    cfg, layout, task = build(root, [*LAYOUTS["pp2_decoupled"], "model.freeze=[encoder]"], acc, steps=2)
+    engine = MegatronEngine(task, cfg, acc, layout)
+    load_full_state(engine.model_chunks, weights)
+    model = unwrap(engine.model_chunks[0])
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    for step in range(2):
+        assert not engine.train_step(step).skipped
+    in_optimizer = {id(q) for g in engine.optimizer.param_groups for q in g["params"]}
+    with_state = {id(q) for opt in engine._torch_adams() for q in opt.state}
+    mine: dict = {}
+    for name, p in model.named_parameters():
+        part = mine.setdefault(name.split(".", 1)[0], {"optimizer": False, "state": False, "changed": False})
+        part["optimizer"] |= id(p) in in_optimizer
+        part["state"] |= id(p) in with_state
+        part["changed"] |= not torch.equal(p.detach(), before[name])
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    return {"ranks": everyone}
+
+
 def _grad_err(got: dict, ref: dict) -> float:
     return max(float((got[k] - g).abs().max() / g.abs().max().clamp(min=1e-12)) for k, g in ref.items())
 
@@ -149,14 +179,26 @@ def main() -> None:
                 result["balance_metrics"] = got["metrics"]
         weights = refs["dense"]["weights"]
         result["dp2_step"] = {k: refs["dense"][k] for k in ("loss", "grads", "weights")}
-        for name in ("dp2", "pp2"):
-            cfg, layout, task = build(root, LAYOUTS[name], acc)
+        for name in ("dp2", "pp2"):  # pp2 saves at step 5 for the decoupled resume below
+            cfg, layout, task = build(root, [*LAYOUTS[name], f"train.save_interval={SAVE_AT}"], acc)
             result["train"][name] = fit_and_losses(cfg, layout, task, acc, root / name, weights=weights)[0]
+        # the decoupled tower trains as pp2, saves at step 5, and the coupled pp2 resumes from its checkpoint
+        cfg, layout, task = build(root, [*LAYOUTS["pp2_decoupled"], f"train.save_interval={SAVE_AT}"], acc)
+        result["train"]["pp2_decoupled"] = fit_and_losses(cfg, layout, task, acc, root / "pp2_decoupled",
+                                                          weights=weights)[0]
+        ckpt = root / "pp2_decoupled" / "checkpoints" / f"step_{SAVE_AT:08d}"
+        cfg, layout, task = build(root, LAYOUTS["pp2"], acc)
+        result["train"]["pp2_resumed_from_decoupled"] = fit_and_losses(cfg, layout, task, acc,
+                                                                       root / "resumed_coupled", ckpt)[0]
+        cfg, layout, task = build(root, LAYOUTS["pp2_decoupled"], acc)  # and back: coupled -> decoupled
+        result["train"]["decoupled_resumed_from_pp2"] = fit_and_losses(
+            cfg, layout, task, acc, root / "resumed_decoupled", root / "pp2" / "checkpoints" / f"step_{SAVE_AT:08d}")[0]
         cfg, layout, task = build(root, [*LAYOUTS["tp2"], f"train.save_interval={SAVE_AT}"], acc)
         result["train"]["tp2"] = fit_and_losses(cfg, layout, task, acc, root / "tp2", weights=weights)[0]
         ckpt = root / "tp2" / "checkpoints" / f"step_{SAVE_AT:08d}"
         cfg, layout, task = build(root, LAYOUTS["dp2"], acc)
         result["train"]["dp2_resumed_from_tp2"] = fit_and_losses(cfg, layout, task, acc, root / "resumed", ckpt)[0]
+        result["frozen_decoupled"] = frozen_decoupled(root, acc, weights)
         fit = [*LAYOUTS["balanced"], "data.balance.cost=fit", "data.balance.fit_steps=2", "train.global_batch_size=8"]
         cfg, layout, task = build(root, fit, acc, steps=4)
         result["train"]["balanced_fit"], result["balanced_fit_records"], _ = fit_and_losses(

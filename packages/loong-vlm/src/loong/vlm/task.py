@@ -1,5 +1,6 @@
 """The ``vlm.sft`` task: a vision-language model trained on conversations with images and videos, on the megatron
-engine (the foundation is loong-llm's megatron GPT; the vision tower runs on the chunk with the embedding).
+engine (the foundation is loong-llm's megatron GPT; the vision tower runs on the chunk with the embedding, or with
+``encoder.decoupled=true`` at pp > 1 outside the pipeline schedule on every stage: :mod:`loong.vlm.models.decoupled`).
 
 Data: :mod:`loong.vlm.data` reads the JSONL (or writes the synthetic shapes set of the embedded default), plans
 every sample from its media headers, packs samples into rows of ``train.seq_length`` and decodes the media in
@@ -50,6 +51,9 @@ def check_vlm_config(cfg: VLMRunConfig) -> None:
         raise LoongError("encoder.deepstack_visual_indexes (DeepStack) with foundation.recompute=full is not "
                          "supported; use foundation.recompute=selective or none")
     p = cfg.parallel
+    if enc.decoupled and p.vpp:
+        raise LoongError(f"encoder.decoupled=true with parallel.vpp={p.vpp} is not supported (the tower's replicas "
+                         "are placed one per pipeline rank, not per virtual stage); drop parallel.vpp")
     check_model_layout(fnd, p.tp, p.pp * (p.vpp or 1), cfg.train.seq_length, ep=p.ep, etp=p.etp)
     if fnd.vocab_size % p.tp:
         raise LoongError(f"parallel.tp={p.tp} does not divide foundation.vocab_size={fnd.vocab_size}")
@@ -58,9 +62,6 @@ def check_vlm_config(cfg: VLMRunConfig) -> None:
     if enc.parallel.tp != 1:
         raise LoongError(f"encoder.parallel.tp={enc.parallel.tp}: the vision encoder runs unsharded (tp=1) on "
                          "each rank of the foundation's tensor-parallel group for now")
-    if enc.decoupled:
-        raise LoongError("encoder.decoupled=true (the encoder outside the pipeline) is not available yet; "
-                         "the encoder runs on the first pipeline stage")
     if cfg.data.path is not None and not Path(cfg.data.path).is_file():
         raise LoongError(f"data.path: {cfg.data.path} is not a file")
     if cfg.data.processor is not None and not Path(cfg.data.processor).is_dir():
@@ -123,6 +124,10 @@ class VLMTask(MegatronTask):
         config = transformer_config(self.cfg.foundation, self.cfg.parallel, dtype,
                                     self.accelerator.megatron_config_overrides())
         config.calculate_per_token_loss = True  # gradients / all assistant tokens of the global batch
+        # encoder.decoupled: megatron's finalize_model_grads sums the gradients of parameters marked
+        # ``pipeline_parallel`` over the pipeline group (after the data-parallel reduce, before the per-token scale)
+        config.has_cond_embedder = self.cfg.encoder.decoupled and self.cfg.parallel.pp > 1
+        self._megatron_config = config  # the engine's: its finalize_model_grads_func is wrapped when decoupled
         return config
 
     def build_model(self, config: Any, pre_process: bool, post_process: bool,
@@ -136,19 +141,34 @@ class VLMTask(MegatronTask):
                                       post_process, self.layout.pg_collection, vp_stage, m.mrope_section,
                                       m.mrope_interleaved, deepstack_layers=deepstack)
         encoder = projector = None
-        if pre_process:
+        decoupled = c.encoder.decoupled and c.parallel.pp > 1
+        replica = 0
+        if decoupled and not pre_process:  # a replica of the tower on every later pipeline rank
+            replica = torch.distributed.get_rank(self.layout.pg_collection.pp)
+        if pre_process or decoupled:
             from loong.core.attention import choose_varlen_impl
 
             family = vision_family(c.encoder.family, c.projector.family).load()
-            # the same initial weights on every rank: the tower is replicated over the foundation's TP group
+            # the same initial weights on every rank: the tower is replicated over the foundation's TP group (and,
+            # decoupled, over its pipeline stages)
             with torch.random.fork_rng(devices=[]):
                 torch.manual_seed(c.train.seed)
                 encoder = family.build_encoder(c.encoder)
                 projector = family.build_projector(c.projector, c.encoder)
             if hasattr(encoder, "attn_impl"):
                 encoder.attn_impl = choose_varlen_impl(self.accelerator.capabilities())
-        model = VisionLanguageModel(config, foundation, encoder, projector)
+            if decoupled:  # every replica's gradient joins the pipeline-group sum (model_config)
+                for param in (*encoder.parameters(), *projector.parameters()):
+                    param.pipeline_parallel = True
+                    # megatron's gradient norm (clipping) sums over the pipeline group: count the tower once, as
+                    # it does the tied output weight (``shared`` on the duplicate)
+                    param.shared = replica > 0
+        model = VisionLanguageModel(config, foundation, encoder, projector, tower_replica=replica)
         self._freeze(model)
+        if decoupled:
+            from loong.vlm.models.decoupled import DecoupledTower
+
+            self.tower = DecoupledTower(model, self.layout.pg_collection.pp, c.projector.out_hidden_size, deepstack)
         return model
 
     def _freeze(self, model: torch.nn.Module) -> None:
@@ -280,7 +300,24 @@ class VLMTask(MegatronTask):
         else:
             scale = self._scale(train.packed, step, num_microbatches, True)
         batches = [self._to_device(next(self._train_iter), scale) for _ in range(num_microbatches)]
+        if getattr(self, "tower", None) is not None:
+            self._decoupled_step(batches)
         return iter(batches)
+
+    def _decoupled_step(self, batches: list[dict]) -> None:
+        """``encoder.decoupled`` at pp > 1: the tower embeds the step's micro-batches on every pipeline rank
+        before the schedule (:mod:`loong.vlm.models.decoupled`); its backward runs just before megatron reduces
+        the gradients (inside the schedule's ``finalize_model_grads_func``, wrapped once here)."""
+        self.tower.forward(batches)
+        config = self._megatron_config
+        reduce = config.finalize_model_grads_func
+        if not getattr(reduce, "vlm_tower_backward", False):
+            def finalize(*args: Any, **kwargs: Any) -> Any:
+                self.tower.backward()
+                return reduce(*args, **kwargs)
+
+            finalize.vlm_tower_backward = True  # type: ignore[attr-defined]
+            config.finalize_model_grads_func = finalize
 
     def eval_microbatches(self, index: int, num_microbatches: int) -> Iterator[dict]:
         data = self.data.valid if len(self.data.valid) else self.data.train
@@ -291,7 +328,7 @@ class VLMTask(MegatronTask):
     # --- loss ------------------------------------------------------------------------------
     def forward_step(self, data_iterator: Iterator[dict], model: torch.nn.Module) -> tuple[Any, Any]:
         batch = next(data_iterator)
-        media = {k: batch[k] for k in MEDIA_KEYS if k in batch}
+        media = {k: batch[k] for k in (*MEDIA_KEYS, "visual_embeds", "deepstack_embeds") if k in batch}
         output = model(batch["tokens"], batch["position_ids"], batch["document_ids"], labels=batch["labels"],
                        **media)
         return output, partial(SFTTask._loss, batch["loss_mask"], loss_scale=batch["loss_scale"])

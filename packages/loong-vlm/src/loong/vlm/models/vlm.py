@@ -1,5 +1,5 @@
 """A VLM as one megatron pipeline chunk: the vision **encoder** and **projector** (plain modules, on the chunk with
-the embedding) in front of the **foundation** (loong-llm's megatron GPT as :class:`~loong.vlm.models.foundation.
+the embedding; with ``encoder.decoupled=true`` a replica on every stage) in front of the **foundation** (loong-llm's megatron GPT as :class:`~loong.vlm.models.foundation.
 VLMFoundation`).
 
 The chunk's children are named ``encoder``, ``projector`` and ``foundation``, so its checkpoint keys (megatron's
@@ -46,13 +46,18 @@ class VisionLanguageModel(MegatronModule):
 
     ``forward`` takes the micro-batch keys of :mod:`loong.vlm.data.dataset` (``tokens``, ``position_ids``,
     ``document_ids``, ``labels``, ``mm_token_type_ids``, the pixel tensors and grids) and returns the foundation's
-    per-token losses ``[b, s]`` (or logits without labels). ``decoupled=True``: the chunk holds no tower and takes
-    the visual embeddings ready-made (``visual_embeds`` / ``deepstack_embeds``), computed outside the pipeline.
+    per-token losses ``[b, s]`` (or logits without labels). ``encoder.decoupled=true`` (pp > 1): every stage's
+    chunk holds a replica of the tower (``tower_replica`` its pipeline rank, 0 on the first stage), run outside
+    the schedule by :mod:`loong.vlm.models.decoupled`; the first stage then takes the visual embeddings ready-made
+    (``visual_embeds`` / ``deepstack_embeds``).
     """
 
     def __init__(self, config: Any, foundation: VLMFoundation, encoder: nn.Module | None = None,
-                 projector: nn.Module | None = None) -> None:
+                 projector: nn.Module | None = None, tower_replica: int = 0) -> None:
         super().__init__(config=config)
+        #: decoupled encoder: this rank's pipeline rank when the chunk holds a replica of the tower (0: the main
+        #: copy, saved; > 0: a replica of it, whose checkpoint keys are marked as such so only stage 0 writes them)
+        self.tower_replica = tower_replica
         self.model_type = ModelType.encoder_or_decoder
         if (encoder is None) != (projector is None):
             raise LoongError("a VLM chunk holds both the encoder and the projector or neither")
@@ -81,6 +86,26 @@ class VisionLanguageModel(MegatronModule):
     def set_input_tensor(self, input_tensor: Any) -> None:
         """Pipeline stages after the first take the previous stage's hidden states (megatron's schedules)."""
         self.foundation.set_input_tensor(input_tensor)
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (),
+                           metadata: dict | None = None) -> dict:
+        """megatron's sharded state, the tower's tensors marked as replicas on pipeline ranks > 0 (decoupled: every
+        stage holds the same ``encoder.*`` / ``projector.*``; one main copy per key, as megatron's checkpointing
+        and :func:`~loong.core.engines.megatron.state.gather_full_state` require)."""
+        sd = super().sharded_state_dict(prefix, sharded_offsets, metadata)
+        if self.tower_replica:
+            from megatron.core.dist_checkpointing.dict_utils import dict_list_map_inplace
+
+            tower = (f"{prefix}encoder.", f"{prefix}projector.")
+
+            def mark(x: Any) -> Any:
+                if getattr(x, "key", "").startswith(tower) and hasattr(x, "replica_id"):
+                    rid = x.replica_id if isinstance(x.replica_id, tuple) else (x.replica_id,)
+                    x.replica_id = (rid[0] + self.tower_replica, *rid[1:])  # same arity, never all zeros
+                return x
+
+            dict_list_map_inplace(mark, sd)
+        return sd
 
     def vision_dtype(self) -> torch.dtype:
         """The dtype the tower computes in (its parameters', bf16 under megatron's Float16Module)."""
