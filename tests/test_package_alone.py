@@ -86,9 +86,16 @@ class Venv:
                               text=True, timeout=timeout)
 
     def install(self, wheel: Path) -> None:
-        """Installs ``wheel`` and its declared dependencies; Loong siblings from the wheel folder only."""
+        """Installs ``wheel`` and its declared dependencies; Loong siblings from the wheel folder only.
+
+        uv caches a ``--find-links`` wheel by folder and file name, and pytest reuses its numbered temporary folders
+        across sessions, so without ``--refresh-package`` an earlier session's same-named sibling wheel (another
+        commit's code under the same dev version) would be installed instead of this session's build.
+        """
+        refresh = [arg for w in sorted(wheel.parent.glob("loong_*.whl"))
+                   for arg in ("--refresh-package", w.name.split("-")[0].replace("_", "-"))]
         subprocess.run([uv(), "pip", "install", "-q", "--python", self.bin("python"), "--find-links",
-                        str(wheel.parent), "--link-mode", "hardlink", str(wheel)],
+                        str(wheel.parent), *refresh, "--link-mode", "hardlink", str(wheel)],
                        check=True, env=clean_env(), cwd=self.path.parent, timeout=600)
 
     def distributions(self) -> dict[str, str]:
