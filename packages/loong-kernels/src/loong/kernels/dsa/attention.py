@@ -389,6 +389,13 @@ class _SparseMLAFn(torch.autograd.Function):
         probs = torch.empty((b, chunk, n_sel, h), dtype=q.dtype, device=q.device)
         dscores = torch.empty_like(probs)
         qcfg, dcfg = dict(DQ_CONFIG), dict(DKV_CONFIG)
+        if q.element_size() > 2:
+            # fp32 tiles take twice the shared memory: the dq pass at 64/64 asked 303104 B of the H200's 232448
+            # (test_sparse_mla_fp32_matches_reference[split-bwd]); the fused backward's 32/32, one stage, holds a
+            # dq and a dkv tile in fp32, so each pass alone fits in it
+            small = {"BLOCK_H": BWD_CONFIG["BLOCK_H"], "BLOCK_N": BWD_CONFIG["BLOCK_N"], "num_stages": 1}
+            qcfg.update(small)
+            dcfg.update(small)
         dq_block_h, dkv_block_h = _block_h(h, qcfg.pop("BLOCK_H")), _block_h(h, dcfg.pop("BLOCK_H"))
         for tok0 in range(0, s, chunk):
             n = min(chunk, s - tok0)
