@@ -1,6 +1,7 @@
 """The VLM at other layouts reproduces DP=2 (and DP=1): foundation TP=2 (with and without sequence parallelism; the
 encoder unsharded on each TP rank), PP=2 (the encoder on the first stage), PP=2 with ``encoder.decoupled=true`` (the
-tower outside the pipeline, its share computed on every stage), EP=2 for the Qwen3-VL-MoE foundation, and
+tower outside the pipeline, its share computed on every stage), CP=2 (every rank two zigzag chunks of each packed
+row, the encoder on all of the micro-batch's media), EP=2 for the Qwen3-VL-MoE foundation, and
 data-parallel balancing. Loss and every gradient within 1e-5 (fp32), 10 steps track, a TP=2 checkpoint resumes
 at TP=1 and a decoupled PP=2 one at coupled PP=2 with the same next loss, and balancing lowers the predicted rank
 imbalance, logged every step.
@@ -54,7 +55,7 @@ def test_the_gradients_compared_cover_every_component(layouts: dict) -> None:
         assert max(float(grads[k].abs().max()) for k in keys) > 0, part
 
 
-@pytest.mark.parametrize("layout", ["tp2", "tp2sp", "pp2", "pp2_decoupled", "balanced", "moe_ep2"])
+@pytest.mark.parametrize("layout", ["tp2", "tp2sp", "pp2", "pp2_decoupled", "cp2", "balanced", "moe_ep2"])
 def test_first_step_loss_and_gradients_match_dp2(layouts: dict, layout: str) -> None:
     ref = "moe_dp2" if layout.startswith("moe") else "dp2"
     assert _rel(layouts["loss"][layout], layouts["loss"][ref]) <= 1e-5
@@ -83,7 +84,7 @@ def test_dp2_equals_dp1(layouts: dict) -> None:
     assert _grad_err(got["grads"], ref["grads"]) <= 1e-5
 
 
-@pytest.mark.parametrize("layout", ["tp2", "pp2", "pp2_decoupled"])
+@pytest.mark.parametrize("layout", ["tp2", "pp2", "pp2_decoupled", "cp2"])
 def test_ten_steps_track_dp2(layouts: dict, layout: str) -> None:
     ref, got = layouts["train"]["dp2"], layouts["train"][layout]
     assert len(ref) == len(got) == 10
@@ -151,3 +152,21 @@ def test_decoupled_with_virtual_pipeline_stages_is_refused() -> None:
         check_vlm_config(cfg)
     cfg.parallel.vpp = None
     check_vlm_config(cfg)  # pp=2 alone is accepted
+
+
+@pytest.mark.parametrize(("overrides", "message"), [
+    (["train.seq_length=126"], r"parallel.cp=2: train.seq_length=126 must divide by 2 \* cp = 4"),
+    (["parallel.pp=2", "encoder.decoupled=true"], r"encoder.decoupled=true with parallel.cp=2 is not supported"),
+    (["data.balance.enabled=true"], r"data.balance.enabled=true with parallel.cp=2 is not supported"),
+])
+def test_context_parallel_combinations_it_cannot_run_are_refused(overrides: list[str], message: str) -> None:
+    from loong.core.config import compose_config
+    from loong.core.errors import LoongError
+    from loong.vlm.schema import VLMRunConfig
+    from loong.vlm.task import check_vlm_config
+
+    cfg, _ = compose_config("loong.vlm.configs", "train", ["parallel.cp=2", *overrides], VLMRunConfig)
+    with pytest.raises(LoongError, match=message):
+        check_vlm_config(cfg)
+    cfg, _ = compose_config("loong.vlm.configs", "train", ["parallel.cp=2"], VLMRunConfig)
+    check_vlm_config(cfg)  # cp=2 alone is accepted

@@ -4,8 +4,9 @@ In one 2-process gloo launch: the Qwen3-VL foundation at TP=1, TP=2 and TP=2 wit
 Qwen3-VL-MoE one at TP=1 and TP=2 (sequence-parallel, as loong-llm runs MoE at TP > 1), on the same batch with
 visual rows and DeepStack features: per-token losses, logits (gathered over the vocabulary shards), and the
 gradients of the mean loss w.r.t. the visual rows, each DeepStack tensor and the word embeddings. Every rank builds
-the same transformers model from the same seed. Then a CP=2 foundation's refusal of multimodal inputs. Rank 0
-writes JSON; the pytest side compares.
+the same transformers model from the same seed. Then CP=2 (each rank its two zigzag chunks of every row, the
+visual rows placed by their whole-row numbering) against TP=1, with causal rows and with packed rows of documents
+and padding (Qwen3-VL with DeepStack, Qwen2.5-VL with a video). Rank 0 writes JSON; the pytest side compares.
 """
 
 from __future__ import annotations
@@ -28,44 +29,56 @@ from loong.core.engines.megatron.state import gather_full_state  # noqa: E402
 EMBEDDING = "embedding.word_embeddings.weight"
 
 
-def run(case: str, parallel: ParallelConfig, acc) -> dict:  # noqa: ANN001
+def documents(bt) -> torch.Tensor:  # noqa: ANN001
+    """Packed rows: row 0 holds two documents (the image in the first, the video or second image in the second),
+    row 1 two documents and two padding slots (negative ids)."""
+    b, s = bt.input_ids.shape
+    docs = torch.zeros(b, s, dtype=torch.long)
+    docs[0, 14:] = 1
+    docs[1, 22:] = 1
+    docs[1, 26:] = -1
+    return docs
+
+
+def run(case: str, parallel: ParallelConfig, acc, packed: bool = False) -> dict:  # noqa: ANN001
+    """Per-token losses, logits, and the gradients of the batch's mean loss, whole (gathered over TP's vocabulary
+    shards, CP's sequence chunks, and summed over CP, where each rank holds its chunks' share)."""
+    from loong.core.engines.megatron.context_parallel import gather_rows, split_for_cp_rank
+
     layout = init_distributed(acc, parallel)
     hf = hf_model(case)
     bt = batch(case, hf)
     model = build_loong(case, hf, layout, acc.capabilities(), parallel)
+    cp = layout.pg_collection.cp if parallel.cp > 1 else None
+
+    def local(t: torch.Tensor | None) -> torch.Tensor | None:  # this CP rank's chunks of per-token rows
+        return t if cp is None or t is None else split_for_cp_rank(t, t.dim() - 1, cp.size(), cp.rank())
+
+    def whole(t: torch.Tensor) -> torch.Tensor:
+        return t if cp is None else gather_rows(t, cp)
+
     vis = bt.visual_embeds.clone().requires_grad_()
     ds = [d.clone().requires_grad_() for d in bt.deepstack]
     kw = dict(visual_embeds=vis, visual_mask=bt.visual_mask, deepstack_embeds=ds)
-    losses = model(bt.input_ids, bt.position_ids, None, labels=bt.labels, **kw)
-    losses.mean().backward()
+    args = (local(bt.input_ids), local(bt.position_ids), local(documents(bt) if packed else None))
+    losses = model(*args, labels=local(bt.labels), **kw)
+    (losses.sum() / bt.labels.numel()).backward()  # the mean over the whole batch, each rank its share
     with torch.no_grad():
-        logits = model(bt.input_ids, bt.position_ids, None, **kw)
+        logits = whole(model(*args, **kw))
     tp = layout.pg_collection.tp
     shards = [torch.empty_like(logits) for _ in range(tp.size())]
     dist.all_gather(shards, logits.contiguous(), group=tp)
+    if cp is not None:  # each CP rank's gradients are its chunks' share
+        for t in (*model.parameters(), vis, *ds):
+            dist.all_reduce(t.grad, group=cp)
     grads = gather_full_state([model], source=lambda p: p.grad)
     out = {"tp": parallel.tp, "sequence_parallel": bool(model.config.sequence_parallel),
-           "losses": losses.detach().tolist(), "logits": torch.cat(shards, dim=-1).tolist(),
+           "losses": whole(losses.detach()).tolist(), "logits": torch.cat(shards, dim=-1).tolist(),
            "visual_grad": vis.grad.tolist(), "embedding_grad": grads[EMBEDDING].tolist()}
     for i, d in enumerate(ds):
         out[f"deepstack_grad_{i}"] = d.grad.tolist()
-    assert len(ds) == DEEPSTACK
+    assert len(ds) == (0 if case == "qwen2_5_vl" else DEEPSTACK)
     return out
-
-
-def cp_refusal(acc) -> str:  # noqa: ANN001
-    """The error a CP=2 foundation gives for multimodal inputs (empty if none)."""
-    from loong.core.errors import LoongError
-
-    layout = init_distributed(acc, ParallelConfig(cp=2))
-    hf = hf_model("qwen3_vl")
-    bt = batch("qwen3_vl", hf)
-    model = build_loong("qwen3_vl", hf, layout, acc.capabilities(), ParallelConfig(cp=2))
-    try:
-        model(bt.input_ids, bt.position_ids, None, visual_embeds=bt.visual_embeds, visual_mask=bt.visual_mask)
-    except LoongError as err:
-        return str(err)
-    return ""
 
 
 def main() -> None:
@@ -78,7 +91,11 @@ def main() -> None:
     with acc.activate():
         for name, parallel in runs.items():
             result[name] = run(name.split("/")[0], parallel, acc)
-        result["cp2_refusal"] = cp_refusal(acc)
+        result["qwen3_vl/cp2"] = run("qwen3_vl", ParallelConfig(cp=2), acc)
+        result["qwen3_vl/tp1_packed"] = run("qwen3_vl", ParallelConfig(), acc, packed=True)
+        result["qwen3_vl/cp2_packed"] = run("qwen3_vl", ParallelConfig(cp=2), acc, packed=True)
+        result["qwen2_5_vl/tp1_packed"] = run("qwen2_5_vl", ParallelConfig(), acc, packed=True)
+        result["qwen2_5_vl/cp2_packed"] = run("qwen2_5_vl", ParallelConfig(cp=2), acc, packed=True)
     if dist.get_rank() == 0:
         out.write_text(json.dumps(result))
 

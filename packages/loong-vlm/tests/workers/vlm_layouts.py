@@ -51,6 +51,7 @@ LAYOUTS = {
     "tp2sp": ["parallel.tp=2", "parallel.sequence_parallel=true"],
     "pp2": ["parallel.pp=2"],
     "pp2_decoupled": ["parallel.pp=2", "encoder.decoupled=true"],
+    "cp2": ["parallel.cp=2"],
     "balanced": ["parallel.tp=1", "data.balance.enabled=true"],
     "moe_dp2": ["model=tiny_qwen3_vl_moe", "parallel.tp=1"],
     "moe_ep2": ["model=tiny_qwen3_vl_moe", "parallel.ep=2"],
@@ -195,6 +196,8 @@ def main() -> None:
             cfg, layout, task, acc, root / "resumed_decoupled", root / "pp2" / "checkpoints" / f"step_{SAVE_AT:08d}")[0]
         cfg, layout, task = build(root, [*LAYOUTS["tp2"], f"train.save_interval={SAVE_AT}"], acc)
         result["train"]["tp2"] = fit_and_losses(cfg, layout, task, acc, root / "tp2", weights=weights)[0]
+        cfg, layout, task = build(root, LAYOUTS["cp2"], acc)
+        result["train"]["cp2"] = fit_and_losses(cfg, layout, task, acc, root / "cp2", weights=weights)[0]
         ckpt = root / "tp2" / "checkpoints" / f"step_{SAVE_AT:08d}"
         cfg, layout, task = build(root, LAYOUTS["dp2"], acc)
         result["train"]["dp2_resumed_from_tp2"] = fit_and_losses(cfg, layout, task, acc, root / "resumed", ckpt)[0]

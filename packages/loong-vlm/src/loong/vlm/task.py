@@ -58,7 +58,16 @@ def check_vlm_config(cfg: VLMRunConfig) -> None:
     if fnd.vocab_size % p.tp:
         raise LoongError(f"parallel.tp={p.tp} does not divide foundation.vocab_size={fnd.vocab_size}")
     if p.cp > 1:
-        raise LoongError(f"parallel.cp={p.cp}: the VLM task runs multimodal batches at cp=1 for now")
+        if cfg.train.seq_length % (2 * p.cp):
+            raise LoongError(f"parallel.cp={p.cp}: train.seq_length={cfg.train.seq_length} must divide by 2 * cp = "
+                             f"{2 * p.cp} (each CP rank holds two of 2 * cp equal chunks of every row)")
+        if enc.decoupled:
+            raise LoongError(f"encoder.decoupled=true with parallel.cp={p.cp} is not supported (the tower's replicas "
+                             "are placed per pipeline rank and summed over it, not over context parallelism); "
+                             "drop one of them")
+        if cfg.data.balance.enabled:
+            raise LoongError(f"data.balance.enabled=true with parallel.cp={p.cp} is not supported (balanced "
+                             "micro-batches vary in length, CP splits fixed-length rows); use one of them")
     if enc.parallel.tp != 1:
         raise LoongError(f"encoder.parallel.tp={enc.parallel.tp}: the vision encoder runs unsharded (tp=1) on "
                          "each rank of the foundation's tensor-parallel group for now")
@@ -283,8 +292,27 @@ class VLMTask(MegatronTask):
 
     def _to_device(self, batch: dict, scale: float) -> dict:
         self.skipped_samples += int(batch.pop("skipped_samples", 0))
+        if self.layout.cp > 1:
+            batch = self._cp_slice(batch)
+            # the engine averages the reported loss over dp x cp, and each CP rank reports its chunks' share
+            scale *= self.layout.cp
         out = {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
         out["loss_scale"] = torch.tensor(scale, dtype=torch.float32, device=self.device)
+        return out
+
+    def _cp_slice(self, batch: dict) -> dict:
+        """This CP rank's two zigzag chunks of every per-token row (tokens, labels, loss mask, document ids,
+        position ids ``[b, s]`` or M-RoPE ``[3, b, s]``). The media and ``mm_token_type_ids`` stay whole: every CP
+        rank runs the encoder on all of the micro-batch's media (the visual rows are numbered over the whole rows)
+        and places the rows that fall in its chunks; the encoder's gradients, each rank's share, are summed over
+        dp x cp like every other parameter's."""
+        from loong.core.engines.megatron.context_parallel import split_for_cp_rank
+
+        cp = self.layout.pg_collection.cp
+        out = dict(batch)
+        for key in ("tokens", "labels", "loss_mask", "document_ids", "position_ids"):
+            if key in out:
+                out[key] = split_for_cp_rank(out[key], out[key].dim() - 1, cp.size(), cp.rank())
         return out
 
     def train_microbatches(self, step: int, num_microbatches: int) -> Iterator[dict]:

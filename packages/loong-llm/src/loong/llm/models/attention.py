@@ -85,12 +85,17 @@ class SDPAttention(MegatronModule):
             raise ValueError("SDPAttention does not support packed sequences")
         mask_type = attn_mask_type or self.attn_mask_type
         if self.cp_group is not None:
-            if attention_mask is not None or mask_type != AttnMaskType.causal:
-                raise ValueError("context parallelism supports causal attention without an explicit mask only")
+            docs = is_document_ids(attention_mask)
+            if (attention_mask is not None and not docs) or mask_type != AttnMaskType.causal:
+                raise ValueError("context parallelism supports causal attention, optionally of packed documents "
+                                 "(document ids), without another mask")
+            if docs and self.training and self.dropout_p > 0:
+                raise ValueError("packed documents (document ids) run without attention dropout; set it to 0")
             from loong.core.engines.megatron.context_parallel import causal_attention_cp
 
             out = causal_attention_cp(query, key, value, self.cp_group, scale=self.softmax_scale,
-                                      dropout_p=self.dropout_p if self.training else 0.0)
+                                      dropout_p=self.dropout_p if self.training else 0.0,
+                                      document_ids=attention_mask if docs else None)
             return out.reshape(out.shape[0], out.shape[1], -1)
         # [s, b, h, d] -> [b, h, s, d]
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))

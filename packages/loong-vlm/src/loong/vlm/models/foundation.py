@@ -114,12 +114,13 @@ class VisualPositions:
     tp_group: Any = None
 
     @classmethod
-    def of(cls, visual_mask: Tensor, start: int, length: int, tp_group: Any = None) -> VisualPositions:
-        """The positions of ``visual_mask [b, s]`` inside the sequence slice ``[start, start + length)``."""
+    def at(cls, visual_mask: Tensor, index: Tensor, tp_group: Any = None) -> VisualPositions:
+        """The positions of ``visual_mask [b, s]`` in hidden states holding the tokens ``index [s_local]`` of the
+        whole sequence, in that order (a slice, or a context-parallel rank's two zigzag chunks)."""
         b, s = visual_mask.shape
         ordinal = visual_mask.reshape(-1).cumsum(0).reshape(b, s) - 1  # row of each True, row-major [b, s]
-        batch, seq = visual_mask[:, start:start + length].nonzero(as_tuple=True)
-        return cls(seq=seq, batch=batch, rows=ordinal[batch, seq + start], tp_group=tp_group)
+        batch, seq = visual_mask[:, index].nonzero(as_tuple=True)
+        return cls(seq=seq, batch=batch, rows=ordinal[batch, index[seq]], tp_group=tp_group)
 
     def _values(self, embeds: Tensor, like: Tensor) -> Tensor:
         if self.tp_group is not None:  # backward: this rank's rows' gradients + the other ranks'
@@ -216,21 +217,30 @@ class VLMFoundation(LoongGPTModel):
 
     # --- multimodal inputs -------------------------------------------------------------------
     def _visual_positions(self, input_ids: Tensor, visual_mask: Tensor | None, local_len: int) -> VisualPositions:
+        """Where the visual rows go in this rank's hidden states. Under context parallelism ``input_ids`` hold this
+        CP rank's two zigzag chunks of each row while ``visual_mask`` covers the whole rows (the visual rows are
+        numbered over the whole sequence): ``[b, s_local * cp]``."""
+        cp = self._cp_size()
+        expected = (input_ids.shape[0], input_ids.shape[1] * cp)
         if visual_mask is None:
             raise LoongError("visual_embeds / deepstack_embeds need visual_mask [b, s] (True at placeholder tokens)")
-        if visual_mask.dtype != torch.bool or tuple(visual_mask.shape) != tuple(input_ids.shape):
-            raise LoongError(f"visual_mask must be a bool tensor shaped like input_ids {tuple(input_ids.shape)}; "
-                             f"got {visual_mask.dtype} {tuple(visual_mask.shape)}")
-        if self._cp_size() > 1:
-            raise LoongError("multimodal inputs under context parallelism (parallel.cp > 1) are not supported; "
-                             "run the foundation at cp=1")
-        seq = input_ids.shape[1]
-        if local_len == seq:
-            return VisualPositions.of(visual_mask, 0, seq)
+        if visual_mask.dtype != torch.bool or tuple(visual_mask.shape) != expected:
+            what = "shaped like input_ids" if cp == 1 else f"over the whole rows (input_ids hold 1/{cp} of them)"
+            raise LoongError(f"visual_mask must be a bool tensor {what}: {expected}; got {visual_mask.dtype} "
+                             f"{tuple(visual_mask.shape)}")
+        index = torch.arange(input_ids.shape[1], device=visual_mask.device)
+        if cp > 1:
+            from loong.core.engines.megatron.context_parallel import split_for_cp_rank
+
+            whole = torch.arange(expected[1], device=visual_mask.device)
+            index = split_for_cp_rank(whole, 0, cp, self.pg_collection.cp.rank())
+        if local_len == index.numel():
+            return VisualPositions.at(visual_mask, index)
         tp = self.pg_collection.tp  # sequence parallelism: this rank holds tokens [rank * s/tp, (rank+1) * s/tp)
-        if local_len * tp.size() != seq:
-            raise LoongError(f"hidden states hold {local_len} of {seq} tokens, not a 1/{tp.size()} slice")
-        return VisualPositions.of(visual_mask, tp.rank() * local_len, local_len, tp_group=tp)
+        if local_len * tp.size() != index.numel():
+            raise LoongError(f"hidden states hold {local_len} of {index.numel()} tokens, not a 1/{tp.size()} slice")
+        return VisualPositions.at(visual_mask, index[tp.rank() * local_len:(tp.rank() + 1) * local_len],
+                                  tp_group=tp)
 
     def _check_rows(self, name: str, embeds: Tensor, count: int) -> None:
         if embeds.dim() != 2 or embeds.shape[0] != count or embeds.shape[1] != self.config.hidden_size:

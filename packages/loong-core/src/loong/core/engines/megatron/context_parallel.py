@@ -63,17 +63,35 @@ def gather_sequence(x: torch.Tensor, cp_group: Any) -> torch.Tensor:
     return torch.cat([gathered[(r * 2 + h) * half:(r * 2 + h + 1) * half] for r, h in order], dim=0)
 
 
+def gather_rows(rows: torch.Tensor, cp_group: Any) -> torch.Tensor:
+    """This rank's two zigzag chunks of batch rows ``[b, s_local, ...]`` (document ids, per-token losses) -> the
+    whole rows ``[b, s, ...]`` in order. Not differentiable (see :func:`gather_sequence` for activations)."""
+    import torch.distributed as dist
+
+    local = rows.transpose(0, 1).contiguous()  # the sequence dim first, as the chunks are cut
+    parts = [torch.empty_like(local) for _ in range(cp_group.size())]
+    dist.all_gather(parts, local, group=cp_group)
+    cp, half = cp_group.size(), local.shape[0] // 2
+    order = [(c, 0) if c < cp else (2 * cp - 1 - c, 1) for c in range(2 * cp)]
+    return torch.cat([parts[r][h * half:(h + 1) * half] for r, h in order], dim=0).transpose(0, 1)
+
+
 def causal_attention_cp(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cp_group: Any, *,
-                        scale: float, dropout_p: float = 0.0) -> torch.Tensor:
+                        scale: float, dropout_p: float = 0.0, document_ids: torch.Tensor | None = None
+                        ) -> torch.Tensor:
     """Causal attention of this rank's queries over the whole sequence's keys.
 
     ``query [s_local, b, h, d]``, ``key``/``value [s_local, b, h_kv, d(_v)]`` hold this rank's two zigzag chunks;
     returns ``[s_local, b, h, d_v]``. Equal (up to rounding) to causal attention on the unsplit sequence, sliced.
+    ``document_ids [b, s_local]`` (this rank's chunks of packed rows; negative = padding, whose output is 0) keep
+    every document to itself: each chunk then attends through a boolean ``[b, 1, s/(2 cp), end]`` mask (same
+    document and not in the future), the one place this path materialises a mask.
     """
     from torch.nn.attention.bias import causal_lower_right
 
     cp, rank = cp_group.size(), cp_group.rank()
     k_all, v_all = gather_sequence(key, cp_group), gather_sequence(value, cp_group)
+    docs_all = gather_rows(document_ids, cp_group) if document_ids is not None else None
     groups = query.shape[2] // key.shape[2]
     if groups > 1:  # the fused SDPA kernels take a lower-right causal bias, but not with grouped K/V heads
         k_all, v_all = (t.repeat_interleave(groups, dim=2) for t in (k_all, v_all))
@@ -85,9 +103,17 @@ def causal_attention_cp(query: torch.Tensor, key: torch.Tensor, value: torch.Ten
         k, v = (t[:end].permute(1, 2, 0, 3) for t in (k_all, v_all))
         # query i sits at chunk * half + i and attends to keys 0 .. chunk * half + i: the causal mask aligned to
         # the bottom-right corner, which SDPA applies without materialising it
-        outs.append(F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(half, end),
-                                                   dropout_p=dropout_p, scale=scale))
+        if docs_all is None:
+            outs.append(F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(half, end),
+                                                       dropout_p=dropout_p, scale=scale))
+            continue
+        q_docs = document_ids[:, part * half:(part + 1) * half]  # [b, L]
+        q_pos = torch.arange(chunk * half, end, device=q.device)
+        allowed = (q_docs[:, :, None] == docs_all[:, None, :end]) & (q_pos[:, None] >= torch.arange(
+            end, device=q.device)[None, :])  # padding rows see the other padding before them: finite, then 0
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed[:, None], dropout_p=dropout_p, scale=scale)
+        outs.append(out * (q_docs >= 0)[:, None, :, None].to(out.dtype))
     return torch.cat(outs, dim=2).permute(2, 0, 1, 3)
 
 
-__all__ = ["causal_attention_cp", "cp_chunks", "gather_sequence", "split_for_cp_rank"]
+__all__ = ["causal_attention_cp", "cp_chunks", "gather_rows", "gather_sequence", "split_for_cp_rank", "sum_over_cp"]
