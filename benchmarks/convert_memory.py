@@ -20,6 +20,11 @@ writes JSON (command, versions, hardware, figures) to ``benchmarks/results/conve
 ``--converters diffusion`` (also in the default run) measures ``loong-diffusion convert`` both ways on a random
 bf16 Wan 2.1 1.3B-shaped transformer of ``--wan-layers`` blocks (4: ~0.19 B parameters), the Loong -> diffusers
 run in 100MB shards; a run without llm writes ``convert_memory_<converters>_cpu_<date>.json``.
+
+``--converters embodied`` measures ``loong-embodied convert`` both ways (``--verify``: also with ``--verify``) on a
+random fp32 GR00T N1.7 run built in-process: the tiny preset with a ``--embodied-size`` Qwen3-VL text tower
+(1024 wide, 4 layers, vocabulary 32000: ~0.11 B parameters, ~0.41 GiB), Loong -> lerobot (``model.safetensors`` and
+the ``groot_base/`` it carries) and that folder back to Loong.
 """
 
 from __future__ import annotations
@@ -50,6 +55,8 @@ print(json.dumps({"rc": proc.returncode, "peak_rss_bytes": peak, "wall_s": wall,
 
 BASELINE = "import loong.llm.convert, megatron.core.dist_checkpointing, torch.distributed.checkpoint"
 DIFFUSION_BASELINE = "import loong.diffusion.convert, loong.diffusion.cli, torch.distributed.checkpoint"
+EMBODIED_BASELINE = ("import loong.embodied.cli, loong.embodied.lerobot_io, loong.embodied.inference, lerobot.policies, "
+                     "lerobot.policies.groot.modeling_groot, torch.distributed.checkpoint")
 
 
 def llama_1b(layers: int) -> dict:
@@ -140,6 +147,75 @@ def diffusion_rows(tmp: Path, layers: int, env: dict) -> tuple[dict, dict]:
     return model, runs
 
 
+def write_random_policy(run_dir: Path, hidden: int, layers: int, vocab: int) -> dict:
+    """A loong-embodied run folder (``policy/`` + a weights-only ``checkpoints/step_00000000``) of a random-weight
+    fp32 GR00T N1.7: the tiny preset with a Qwen3-VL text tower of ``layers`` layers, ``hidden`` wide, vocabulary
+    ``vocab`` (the VL self-attention at the same width), built in this process; the processor from the synthetic
+    reach dataset. Its sizes."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from loong.core.checkpoint import CheckpointManager
+    from loong.core.config.schema import to_dict
+    from loong.embodied.data.dataset import VLADataset
+    from loong.embodied.data.synthetic import ensure_reach_dataset
+    from loong.embodied.policies import POLICIES
+    from loong.embodied.policies.groot_n1_7.config import tiny_backbone
+    from loong.embodied.schema import EmbodiedRunConfig, PolicyModelConfig
+    from loong.embodied.task import write_policy_dir
+
+    spec = POLICIES.get("groot_n1_7")
+    backbone = tiny_backbone(vocab)
+    heads = hidden // 128
+    backbone["text_config"].update(hidden_size=hidden, intermediate_size=4 * hidden, num_hidden_layers=layers,
+                                   num_attention_heads=heads, num_key_value_heads=max(1, heads // 2), head_dim=128)
+    backbone["text_config"]["rope_parameters"]["mrope_section"] = [24, 20, 20]
+    backbone["vision_config"]["out_hidden_size"] = hidden
+    fields = {"backbone": backbone, "select_layer": layers, "backbone_embedding_dim": hidden,
+              "vl_self_attention_heads": heads, "vl_self_attention_head_dim": 128}
+    config = spec.presets["tiny"].replace(**fields)
+    data = ensure_reach_dataset(run_dir.parent / ".cache", num_episodes=2, use_videos=False, progress=False)
+    processor = spec.processor_class.from_datasets(config, [VLADataset(data, chunk_size=config.chunk_size)])
+    torch.manual_seed(0)
+    state = spec.policy_class(config).state_dict()
+    write_policy_dir(run_dir / "policy", spec, config, processor)
+    run = EmbodiedRunConfig(model=PolicyModelConfig(policy=spec.name, preset="tiny", config=fields),
+                            run_name=run_dir.name, output_dir=str(run_dir.parent))
+
+    class WeightsOnly:  # the slice of an engine the checkpoint manager needs
+        def save(self, directory: Path) -> None:
+            dcp.save({"model": state}, checkpoint_id=str(directory))
+
+    CheckpointManager(run_dir / "checkpoints").save(0, WeightsOnly(), {"step": 0, "weights_only": True},
+                                                    to_dict(run))
+    params = sum(t.numel() for t in state.values())
+    largest = max(state.items(), key=lambda kv: kv[1].numel())
+    return {"converter": "loong-embodied", "shape": f"groot_n1_7 tiny preset, Qwen3-VL text tower {layers} layers x "
+            f"{hidden} wide, vocabulary {vocab}", "parameters": params,
+            "bytes": sum(t.numel() * t.element_size() for t in state.values()), "dtype": "float32",
+            "largest_tensor": {"name": largest[0], "bytes": largest[1].numel() * largest[1].element_size()},
+            "versions": versions(["loong-embodied", "lerobot"])}
+
+
+def embodied_rows(tmp: Path, env: dict, hidden: int, layers: int, vocab: int, verify: bool) -> tuple[dict, dict]:
+    """(model sizes, runs) of ``loong-embodied convert`` both ways on a random GR00T N1.7 run."""
+    exe = [sys.executable, "-m", "loong.embodied.cli", "convert"]
+    t = time.perf_counter()
+    model = write_random_policy(tmp / "emb" / "run", hidden, layers, vocab)
+    model["write_s"] = round(time.perf_counter() - t, 1)
+    run, out, back = tmp / "emb" / "run", tmp / "emb" / "lerobot", tmp / "emb" / "back"
+    runs = {"embodied baseline (imports only)": measure([sys.executable, "-c", EMBODIED_BASELINE], env),
+            "Loong -> lerobot": measure([*exe, str(run), str(out), "--no-progress"], env),
+            "lerobot -> Loong": measure([*exe, str(out), str(back), "--no-progress"], env)}
+    if verify:
+        runs["Loong -> lerobot --verify"] = measure([*exe, str(run), str(out) + "_v", "--no-progress", "--verify"],
+                                                    env)
+        runs["lerobot -> Loong --verify"] = measure([*exe, str(out), str(back) + "_v", "--no-progress", "--verify"],
+                                                    env)
+    model["lerobot_file_bytes"] = (out / "model.safetensors").stat().st_size
+    return model, runs
+
+
 def measure(cmd: list[str], env: dict) -> dict:
     """Peak RSS and wall time of ``cmd`` in a child of a fresh measuring process."""
     proc = run_child([sys.executable, "-c", MEASURE, *cmd], env=env)
@@ -159,17 +235,22 @@ def main() -> None:
     parser.add_argument("--max-shard-size", default="1GB", help="--max-shard-size of the Loong -> HF run (1GB)")
     parser.add_argument("--verify", action="store_true", help="also measure both directions with --verify")
     parser.add_argument("--converters", default="llm,diffusion",
-                        help="comma-separated converters to measure: llm, diffusion (default: both)")
+                        help="comma-separated converters to measure: llm, diffusion, embodied (default: llm,diffusion)")
     parser.add_argument("--wan-layers", type=int, default=4,
                         help="Wan blocks of the diffusion model (4: ~0.19 B parameters, ~0.37 GiB bf16)")
+    parser.add_argument("--embodied-size", default="1024,4,32000", metavar="HIDDEN,LAYERS,VOCAB",
+                        help="the embodied policy's Qwen3-VL text tower (1024,4,32000: ~0.11 B parameters, ~0.41 GiB "
+                             "fp32)")
+    parser.add_argument("--vlm-layers", default="4,4", metavar="VISION,TEXT",
+                        help="ViT blocks and text layers of the vlm converter's Qwen2.5-VL (4,4: ~0.33 B parameters)")
     parser.add_argument("--dir", default=None, help="work folder (default: a temporary one, removed after)")
     args = parser.parse_args()
 
     from loong.llm.hf_io import parse_size
 
     which = {c.strip() for c in args.converters.split(",") if c.strip()}
-    if not which or which - {"llm", "diffusion"}:
-        raise SystemExit(f"--converters {args.converters}: a comma-separated subset of llm, diffusion")
+    if not which or which - {"llm", "diffusion", "embodied"}:
+        raise SystemExit(f"--converters {args.converters}: a comma-separated subset of llm, diffusion, embodied")
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     exe = [sys.executable, "-m", "loong.llm.cli"]
     hardware = host()
@@ -215,6 +296,14 @@ def main() -> None:
                   f"{model['largest_native_tensor']['bytes'] / GIB:.3f} GiB ({model['largest_native_tensor']['name']})")
             _table(runs, "diffusion baseline (imports only)", model["bytes"])
             result.update(diffusion_model=model, diffusion_figures=runs)
+        if "embodied" in which:
+            hidden, layers, vocab = (int(x) for x in args.embodied_size.split(","))
+            model, runs = embodied_rows(tmp, env, hidden, layers, vocab, args.verify)
+            print(f"embodied model: {model['shape']}, {model['parameters'] / 1e9:.3f} B parameters, "
+                  f"{model['bytes'] / GIB:.2f} GiB fp32; largest tensor {model['largest_tensor']['bytes'] / GIB:.3f} "
+                  f"GiB ({model['largest_tensor']['name']})")
+            _table(runs, "embodied baseline (imports only)", model["bytes"])
+            result.update(embodied_model=model, embodied_figures=runs)
     result["hardware"] = {**hardware, "load_average_after": os.getloadavg()}
     RESULTS.mkdir(exist_ok=True)
     tag = "" if which == {"llm"} else "_" + "_".join(sorted(which))  # a partial run keeps the llm file intact

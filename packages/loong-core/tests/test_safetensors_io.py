@@ -77,3 +77,40 @@ def test_lazy_tensors_read_a_tensor_only_when_asked_for(tmp_path: Path, monkeypa
     assert reads == ["c", "c", "b", "b"]
     with pytest.raises(KeyError):
         lazy["z"]
+
+
+def test_write_safetensors_writes_one_file_asking_for_one_tensor_at_a_time(tmp_path: Path) -> None:
+    """``write_safetensors``: safetensors' own reader loads the file (every dtype, a scalar, an empty tensor, a
+    view); the file is open under a temporary name before the first tensor is asked for, each tensor is asked for once, in the
+    entries' order, and a tensor that does not match its header fails naming it, leaving no file."""
+    from safetensors import safe_open
+
+    from loong.core.checkpoint.safetensors_io import write_safetensors
+
+    base = torch.randn(6, 5)
+    tensors = {"b.view": base[1:3], "a.f32": torch.randn(3, 4), "bf16": torch.randn(7).bfloat16(),
+               "ids": torch.arange(5), "mask": torch.tensor([True, False]), "scalar": torch.tensor(2.5),
+               "empty": torch.zeros(0, 3), "f16": torch.randn(2, 2).half()}
+    asked: list[str] = []
+    path = tmp_path / "model.safetensors"
+    tmp = tmp_path / ".model.safetensors.tmp"
+
+    def get(name: str) -> torch.Tensor:
+        if not asked:  # the file is being written from the shapes alone before any tensor is asked for
+            assert tmp.is_file() and not path.exists()
+        asked.append(name)
+        return tensors[name]
+
+    nbytes = write_safetensors(path, {k: (v.shape, v.dtype) for k, v in tensors.items()}, get)
+    assert asked == list(tensors) and nbytes == sum(v.numel() * v.element_size() for v in tensors.values())
+    back = load_file(path)
+    assert set(back) == set(tensors)
+    assert all(back[k].dtype == v.dtype and torch.equal(back[k], v) for k, v in tensors.items())
+    with safe_open(str(path), "pt") as f:
+        assert f.metadata() == {"format": "pt"}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model.safetensors"]
+    with pytest.raises(LoongError, match=r"other\.safetensors: tensor x came as \[2, 3\] torch.float32, its header "
+                                         r"says \[3, 2\]"):
+        write_safetensors(tmp_path / "other.safetensors", {"x": ((3, 2), torch.float32)},
+                          lambda name: torch.zeros(2, 3))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model.safetensors"]

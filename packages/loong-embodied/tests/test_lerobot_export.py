@@ -195,22 +195,28 @@ def test_convert_verify_exits_2_naming_a_tensor_the_writer_changed(exported: dic
                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     """A conversion whose written tensors differ from the source (the writer perturbs one element) fails
     ``convert --verify`` with exit code 2 and one ``error:`` line naming the tensor, both ways."""
-    import huggingface_hub
     import torch.distributed.checkpoint as dcp
     from safetensors.torch import load_file
+
+    from loong.embodied import lerobot_io
 
     root = exported["root"]
     exported_file = load_file(str(exported["lerobot"] / "model.safetensors"))
     name = sorted(k for k, v in exported_file.items() if v.is_floating_point())[3]
-    real_save, real_dcp_save = huggingface_hub.save_torch_state_dict, dcp.save
+    real_write, real_dcp_save = lerobot_io.write_safetensors, dcp.save
 
-    def corrupting_save(state_dict: dict, *args: object, **kwargs: object) -> None:
-        bad = state_dict[name].clone()
-        bad.view(-1)[1] += 1
-        real_save({**state_dict, name: bad}, *args, **kwargs)
+    def corrupting_write(path: Path, entries: dict, get: object, **kwargs: object) -> int:
+        def bad(key: str) -> torch.Tensor:
+            tensor = get(key)  # type: ignore[operator]
+            if key == name:
+                tensor = tensor.clone()
+                tensor.view(-1)[1] += 1
+            return tensor
+
+        return real_write(path, entries, bad, **kwargs)
 
     with monkeypatch.context() as m:
-        m.setattr(huggingface_hub, "save_torch_state_dict", corrupting_save)
+        m.setattr(lerobot_io, "write_safetensors", corrupting_write)
         rc, log = _main("convert", str(exported["run_dir"]), str(root / "tampered"), "--verify", "--no-progress")
     errors = [line for line in log.splitlines() if line.startswith("error:")]
     assert rc == 2 and len(errors) == 1, log
@@ -234,6 +240,77 @@ def test_convert_verify_exits_2_naming_a_tensor_the_writer_changed(exported: dic
     assert rc == 2 and len(errors) == 1 and len(changed) == 1, log
     assert errors[0].startswith(f"error: verify: {changed[0]} differs between {root / 'tampered_back' / 'checkpoints'}"
                                 ) and f"and {exported['lerobot']}: 1 of " in errors[0], errors
+
+
+def test_convert_streams_one_tensor_at_a_time_both_ways(exported: dict, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Loong -> lerobot reads one checkpoint tensor per read and writes it before the next is read (the base
+    checkpoint inside the export and model.safetensors alike; a converter that loads the policy first reads them
+    all before the first write); lerobot -> Loong reads the folder's tensors one at a time, each once, never the
+    file whole."""
+    from loong.core.checkpoint import safetensors_io
+    from loong.embodied import lerobot_io
+
+    events: list[tuple[str, str]] = []
+    read, write = lerobot_io.CheckpointWeights.__getitem__, safetensors_io.write_safetensors
+
+    def logged_read(self: lerobot_io.CheckpointWeights, key: str) -> torch.Tensor:
+        events.append(("read", key))
+        return read(self, key)
+
+    def logged_write(path: Path, entries: dict, get: object, **kwargs: object) -> int:
+        def logged_get(name: str) -> torch.Tensor:
+            tensor = get(name)  # type: ignore[operator]
+            events.append(("write", name))
+            return tensor
+
+        return write(path, entries, logged_get, **kwargs)
+
+    root = exported["root"]
+    with monkeypatch.context() as m:
+        m.setattr(lerobot_io.CheckpointWeights, "__getitem__", logged_read)
+        m.setattr(lerobot_io, "write_safetensors", logged_write)
+        m.setattr(groot_mapping, "write_safetensors", logged_write)
+        rc, log = _main("convert", str(exported["run_dir"]), str(root / "streamed"), "--no-progress")
+    assert rc == 0, log
+    spec = POLICIES.get("groot_n1_7")
+    with torch.device("meta"):
+        keys = list(spec.policy_class(spec.presets["tiny"]).state_dict())
+    reads = [k for kind, k in events if kind == "read"]
+    # each tensor once for groot_base/ and once for model.safetensors (the embedding for the LM head lerobot
+    # derives from it: the tied embedding itself stays out of the file)
+    assert sorted(reads) == sorted(keys * 2)
+    assert len([k for kind, k in events if kind == "write"]) == 2 * len(keys)
+    assert not [(a, b) for a, b in zip(events, events[1:], strict=False) if a[0] == b[0] == "read"]
+
+    def whole(self: safetensors_io.SafetensorsFolder) -> dict[str, torch.Tensor]:
+        raise AssertionError("the lerobot folder was loaded whole")
+
+    folder_reads: list[str] = []
+    get = safetensors_io.SafetensorsFolder.get
+    with monkeypatch.context() as m:
+        m.setattr(safetensors_io.SafetensorsFolder, "load_all", whole)
+        m.setattr(safetensors_io.SafetensorsFolder, "get", lambda self, key: folder_reads.append(key) or get(self, key))
+        rc, log = _main("convert", str(root / "streamed"), str(root / "streamed_back"), "--no-progress")
+    assert rc == 0, log
+    in_file = safetensors_io.SafetensorsFolder(root / "streamed").keys()
+    assert sorted(folder_reads) == sorted(in_file)  # the tied embedding is the file's LM head, read once
+
+
+def test_convert_draws_progress_bars_unless_told_not_to(exported: dict) -> None:
+    """Both directions and their --verify draw a progress bar on stderr (the converters' shared one:
+    safetensors_io.progress_bar), ending at 100% at the last tensor; --no-progress draws none."""
+    root = exported["root"]
+    rc, log = _main("convert", str(exported["run_dir"]), str(root / "bars"), "--verify")
+    assert rc == 0, log
+    done = [line for line in log.splitlines() if " 100% " in line]
+    # groot_base/'s weights, then model.safetensors (its last tensor: the LM head lerobot derives), then verify
+    assert [line.split()[0] for line in done] == ["convert", "convert", "verify"], log
+    assert f" 100% {groot_mapping.LM_HEAD} " in done[1], done
+    rc, log = _main("convert", str(root / "bars"), str(root / "bars_back"), "--verify")
+    assert rc == 0, log
+    assert [line.split()[0] for line in log.splitlines() if " 100% " in line] == ["convert", "verify"], log
+    rc, log = _main("convert", str(root / "bars"), str(root / "bars_quiet"), "--verify", "--no-progress")
+    assert rc == 0 and "verify: " in log and " 100% " not in log and "━" not in log, log
 
 
 def test_init_from_the_export_starts_from_its_weights(exported: dict) -> None:

@@ -70,59 +70,68 @@ def _setup_convert(p: argparse.ArgumentParser) -> None:
                         "(default: 0, the first; Loong -> lerobot)")
 
     add_convert_options(p, dtype_help="dtype of the written floating weights, both ways (auto: the source's, as "
-                        "saved)", progress_help="no progress bar (of --verify)")
+                        "saved)", progress_help="no progress bar (of the conversion and of --verify)")
+
 
 def _run_convert(args: argparse.Namespace) -> int:
     src, dst = Path(args.src).expanduser(), Path(args.dst).expanduser()
+    progress = not args.no_progress
     if (src / "config.json").is_file() and (src / "model.safetensors").is_file():
         from loong.embodied.lerobot_io import verify_import
 
-        out = _lerobot_to_loong(src, dst, args.dtype)
+        out = _lerobot_to_loong(src, dst, args.dtype, progress)
         print(f"wrote {out} (weights only); fine-tune from it: loong-embodied train train.resume={out} "
               f"data.repo_root=DATASET, or start from the lerobot folder itself: model.init_from={src}",
               file=sys.stderr)
         if args.verify:
-            print(verify_import(src, out, progress=not args.no_progress), file=sys.stderr)
+            print(verify_import(src, out, progress=progress), file=sys.stderr)
         return 0
     import time
 
-    from loong.embodied.inference import load_policy
-    from loong.embodied.lerobot_io import cast_state, export_lerobot, saved_dtypes, verify_export
+    import torch
 
-    # loaded in fp32 (exact for every saved float dtype), then written in --dtype's, or (auto) each tensor's saved one
-    loaded = load_policy(src, ema=args.ema, device="cpu", dtype="fp32")
-    state = loaded.policy.state_dict()
-    saved = saved_dtypes(loaded.step_dir, state, ema=args.ema)
-    out = export_lerobot(loaded.name, loaded.config, cast_state(state, args.dtype, saved), loaded.processor, dst,
-                         source=args.dataset_index)
+    from loong.embodied.inference import locate_policy
+    from loong.embodied.lerobot_io import CheckpointWeights, export_lerobot, target_dtype, verify_export
+
+    target_dtype(args.dtype, torch.float32)  # a bad --dtype fails before anything is read
+    spec, config, processor, step_dir, _ = locate_policy(src)
+    with torch.device("meta"):  # the policy's names and shapes; its tensors are read one at a time as written
+        expected = spec.policy_class(config).state_dict()
+    state = CheckpointWeights(step_dir, expected, ema=args.ema, dtype=args.dtype)
+    out = export_lerobot(spec.name, config, state, processor, dst, source=args.dataset_index, progress=progress)
     weights = "moving averages of the weights" if args.ema else "weights"
-    print(f"wrote {out}: lerobot {loaded.name} policy ({weights} of {loaded.step_dir}); load it with lerobot's "
+    print(f"wrote {out}: lerobot {spec.name} policy ({weights} of {step_dir}); load it with lerobot's "
           "from_pretrained", file=sys.stderr)
-    if args.verify:  # the checkpoint reread (a fresh load, not the policy just written from), through the mapping
+    if args.verify:  # the checkpoint reread (a fresh reader, as saved: the compare casts it), through the mapping
         start = time.perf_counter()
-        again = load_policy(src, ema=args.ema, device="cpu", dtype="fp32")
-        # the checkpoint's side as it is saved (the compare casts it to the written dtype, the --dtype rule)
-        reread = again.policy.state_dict()
-        source = cast_state(reread, "auto", saved_dtypes(again.step_dir, reread, ema=args.ema))
-        print(verify_export(out, again.name, again.config, source, again.processor, source=args.dataset_index,
-                            progress=not args.no_progress, start=start), file=sys.stderr)
+        source = CheckpointWeights(step_dir, expected, ema=args.ema)
+        print(verify_export(out, spec.name, config, source, processor, source=args.dataset_index,
+                            progress=progress, start=start), file=sys.stderr)
     return 0
 
 
-def _lerobot_to_loong(src: Path, dst: Path, dtype: str = "auto") -> Path:
+def _lerobot_to_loong(src: Path, dst: Path, dtype: str = "auto", progress: bool = False) -> Path:
     """A weights-only Loong checkpoint ``dst/checkpoints/step_00000000`` of the lerobot policy folder ``src``, its
     config the preset nearest to the folder's plus the fields that differ (``model.config``), its floating tensors
-    in ``dtype`` (``auto``: as the folder holds them)."""
+    in ``dtype`` (``auto``: as the folder holds them). The folder is read one tensor at a time; the Loong state is
+    held once, as torch DCP's save takes the whole state dict."""
     import torch.distributed.checkpoint as dcp
 
     from loong.core.checkpoint import CheckpointManager
+    from loong.core.checkpoint.safetensors_io import progress_bar
     from loong.core.config.schema import to_dict
-    from loong.embodied.lerobot_io import cast_state, import_lerobot
+    from loong.embodied.lerobot_io import import_lerobot
     from loong.embodied.policies import POLICIES
     from loong.embodied.schema import EmbodiedRunConfig, PolicyModelConfig
 
-    name, config, state, _stats = import_lerobot(src)
-    state = cast_state(state, dtype)
+    name, config, weights, _stats = import_lerobot(src, dtype=dtype, lazy=True)
+    state = {}
+    with progress_bar(progress, "convert") as bar:
+        task = bar.add_task("convert", total=sum(t.numel() for t in weights.meta().values()), name="")
+        for key in weights:
+            bar.update(task, name=key)
+            state[key] = weights[key].contiguous()
+            bar.advance(task, state[key].numel())
     fields = to_dict(config)
 
     def differing(preset: str) -> dict:
@@ -135,7 +144,7 @@ def _lerobot_to_loong(src: Path, dst: Path, dtype: str = "auto") -> Path:
 
     class WeightsOnly:  # the slice of an engine the checkpoint manager needs
         def save(self, directory: Path) -> None:
-            dcp.save({"model": {k: v.contiguous() for k, v in state.items()}}, checkpoint_id=str(directory))
+            dcp.save({"model": state}, checkpoint_id=str(directory))
 
     return CheckpointManager(dst / "checkpoints").save(0, WeightsOnly(), {"step": 0, "weights_only": True,
                                                                           "source": str(src)}, to_dict(run))

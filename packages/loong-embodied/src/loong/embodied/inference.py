@@ -122,25 +122,32 @@ def read_policy_file(policy_dir: Path) -> tuple[PolicySpec, PolicyConfig]:
     return spec, config
 
 
+def weight_sources(step_dir: Path, expected: Mapping[str, torch.Tensor], ema: bool = False
+                   ) -> dict[str, tuple[str, tuple[int, ...], torch.dtype]]:
+    """Where each policy tensor (the keys of ``expected``, e.g. a meta-device state dict) is in the DCP checkpoint
+    ``step_dir``, from its metadata alone: ``{key: (saved key, shape, saved dtype)}``, the saved key ``model.<key>``
+    or, ``ema``, the moving average ``ema.<key>`` where the run kept one (a frozen parameter has none: its value is
+    its own). A checkpoint of another model is refused naming the keys."""
+    meta = dcp.FileSystemReader(str(step_dir)).read_metadata().state_dict_metadata
+    shapes = {k: tuple(v.shape) for k, v in expected.items() if isinstance(v, torch.Tensor)}
+    check_same_model(step_dir, expected, allow_missing=False)
+    averaged = {k for k in shapes if f"{EMA_KEY}.{k}" in meta} if ema else set()
+    if ema and not averaged:
+        raise LoongError(f"{step_dir} holds no moving averages of the weights (its run had no "
+                         "train.ema_decay); drop --ema to use the weights")
+    saved = {k: f"{EMA_KEY}.{k}" if k in averaged else f"model.{k}" for k in shapes}
+    return {k: (saved[k], shapes[k], meta[saved[k]].properties.dtype) for k in shapes}
+
+
 def read_weights(step_dir: Path, expected: Mapping[str, torch.Tensor], ema: bool = False) -> dict[str, torch.Tensor]:
     """The policy's tensors from the DCP checkpoint ``step_dir`` (whole, on the host, in their saved dtype):
     every key of ``expected`` (the policy's state dict, e.g. on the meta device) under ``model.``; ``ema``: the
     moving averages ``ema.<key>`` where the run kept them (a frozen parameter has none: its value is its own)."""
-    meta = dcp.FileSystemReader(str(step_dir)).read_metadata().state_dict_metadata
-    shapes = {k: v for k, v in expected.items() if isinstance(v, torch.Tensor)}
-    check_same_model(step_dir, shapes, allow_missing=False)
-
-    def empty(saved_key: str, key: str) -> torch.Tensor:
-        return torch.empty(shapes[key].shape, dtype=meta[saved_key].properties.dtype)
-
-    tensors = {k: empty(f"model.{k}", k) for k in shapes}
-    state: dict[str, dict[str, torch.Tensor]] = {"model": tensors}
-    if ema:
-        averaged = {k for k in shapes if f"{EMA_KEY}.{k}" in meta}
-        if not averaged:
-            raise LoongError(f"{step_dir} holds no moving averages of the weights (its run had no "
-                             "train.ema_decay); drop --ema to use the weights")
-        state[EMA_KEY] = {k: empty(f"{EMA_KEY}.{k}", k) for k in averaged}
+    state: dict[str, dict[str, torch.Tensor]] = {}
+    for saved_key, shape, dtype in weight_sources(step_dir, expected, ema=ema).values():
+        group, name = saved_key.split(".", 1)
+        state.setdefault(group, {})[name] = torch.empty(shape, dtype=dtype)
+    tensors = state.get("model", {})
     with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         dcp.load(state, checkpoint_id=str(step_dir))  # in place, into the tensors above
@@ -161,16 +168,13 @@ def _build(spec: PolicySpec, config: PolicyConfig, shell: VLAPolicy, state: Mapp
     return policy
 
 
-def load_policy(path: str | Path, *, ema: bool = False, device: str = "auto", dtype: str = "auto") -> LoadedPolicy:
-    """The trained policy of the run, checkpoints folder or step folder ``path`` (a folder: its newest verified
-    step). ``ema``: the moving averages of the weights instead of the weights; ``device`` / ``dtype``: see
-    :func:`pick_device` / :func:`pick_dtype` (floating weights are cast to ``dtype``)."""
+def locate_policy(path: str | Path) -> tuple[PolicySpec, PolicyConfig, PolicyProcessor, Path, Path]:
+    """``(spec, config, processor, step_dir, run_dir)`` of the run, checkpoints folder or step folder ``path`` (a
+    folder: its newest verified step): everything :func:`load_policy` reads but the weights."""
     p = Path(path).expanduser()
     if not p.exists():
         raise LoongError(f"{path}: no such file or folder (CKPT is a loong-embodied run, its checkpoints/ folder "
                          "or one checkpoints/step_N folder)")
-    torch_device = pick_device(device)
-    torch_dtype = pick_dtype(dtype, torch_device)
     runs = sorted(str(d.parent) for d in p.glob("*/checkpoints") if d.is_dir()) if p.is_dir() else []
     if runs and not (p / "checkpoints").is_dir() and not any(p.glob("step_*")):
         raise LoongError(f"{path} is an output folder, not a run; name one of its runs: {', '.join(runs)}")
@@ -179,7 +183,16 @@ def load_policy(path: str | Path, *, ema: bool = False, device: str = "auto", dt
     run_dir = step_dir.parent.parent if step_dir.parent.name == "checkpoints" else step_dir.parent
     policy_dir = step_dir / POLICY_DIR if (step_dir / POLICY_DIR / POLICY_FILE).is_file() else run_dir / POLICY_DIR
     spec, config = read_policy_file(policy_dir)
-    processor = spec.processor_class.load(policy_dir, config)
+    return spec, config, spec.processor_class.load(policy_dir, config), step_dir, run_dir
+
+
+def load_policy(path: str | Path, *, ema: bool = False, device: str = "auto", dtype: str = "auto") -> LoadedPolicy:
+    """The trained policy of the run, checkpoints folder or step folder ``path`` (a folder: its newest verified
+    step). ``ema``: the moving averages of the weights instead of the weights; ``device`` / ``dtype``: see
+    :func:`pick_device` / :func:`pick_dtype` (floating weights are cast to ``dtype``)."""
+    torch_device = pick_device(device)
+    torch_dtype = pick_dtype(dtype, torch_device)
+    spec, config, processor, step_dir, run_dir = locate_policy(path)
     with torch.device("meta"):
         shell = spec.policy_class(config)
     state = read_weights(step_dir, shell.state_dict(), ema=ema)
@@ -371,5 +384,5 @@ def env_observation(observation: Mapping[str, Any], task: str | None = None) -> 
 
 
 __all__ = ["DTYPES", "POLICY_DIR", "POLICY_FILE", "LoadedPolicy", "PolicyRunner", "env_observation",
-           "expected_cameras", "image_tensor", "load_policy", "pick_device", "pick_dtype", "read_policy_file",
-           "read_weights"]
+           "expected_cameras", "image_tensor", "load_policy", "locate_policy", "pick_device", "pick_dtype",
+           "read_policy_file", "read_weights", "weight_sources"]

@@ -306,6 +306,49 @@ def write_shards(folder: str | Path, tensors: Iterable[tuple[str, torch.Tensor]]
     return writer.close()
 
 
+
+def write_safetensors(path: str | Path, entries: Mapping[str, tuple[Iterable[int], torch.dtype]],
+                      get: Callable[[str], torch.Tensor], *, progress: Any = None,
+                      metadata: Mapping[str, str] | None = None) -> int:
+    """Write the single safetensors file ``path`` without holding its tensors: the header is computed from
+    ``entries`` (``{name: (shape, dtype)}``, the order the data is written in) before any tensor is asked for, then
+    ``get(name)`` is called for one tensor at a time and its bytes written before the next is asked for, so memory
+    stays at one tensor (where :class:`ShardWriter` holds a whole shard: a format read as one file, lerobot's
+    ``model.safetensors``, would be held whole). ``progress``: a ``(bar, task)`` advanced by each tensor's
+    elements. Written under a temporary name, renamed when complete; the bytes of tensor data."""
+    path = Path(path)
+    codes = {dtype: code for code, dtype in _ST_DTYPES.items()}
+    header: dict[str, Any] = {"__metadata__": dict(metadata or {"format": "pt"})}
+    offset = 0
+    for name, (shape, dtype) in entries.items():
+        if dtype not in codes:
+            raise LoongError(f"{path}: tensor {name} is {dtype}, which safetensors cannot hold")
+        shape = [int(s) for s in shape]
+        end = offset + math.prod(shape) * dtype.itemsize
+        header[name] = {"dtype": codes[dtype], "shape": shape, "data_offsets": [offset, end]}
+        offset = end
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned, as safetensors writes it
+    tmp = path.with_name(f".{path.name}.tmp")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(len(raw).to_bytes(8, "little") + raw)
+            for name, (_, dtype) in entries.items():
+                if progress is not None:
+                    progress[0].update(progress[1], name=name)
+                tensor = get(name).detach().to("cpu")
+                if list(tensor.shape) != header[name]["shape"] or tensor.dtype != dtype:
+                    raise LoongError(f"{path}: tensor {name} came as {list(tensor.shape)} {tensor.dtype}, its "
+                                     f"header says {header[name]['shape']} {dtype}")
+                f.write(memoryview(tensor.contiguous().reshape(-1).view(torch.uint8).numpy()))
+                if progress is not None:
+                    progress[0].advance(progress[1], tensor.numel())
+                del tensor
+        os.replace(tmp, path)
+    finally:  # a failed write leaves no partial file behind
+        tmp.unlink(missing_ok=True)
+    return offset
+
 def owned_tensors(tensors: dict[str, torch.Tensor], seen: set[int] | None = None) -> dict[str, torch.Tensor]:
     """Tensors safetensors accepts: contiguous, CPU, each with storage of its own (views are copied). ``seen``: the
     storages already queued for the same file (tied weights added one by one), updated in place."""
@@ -397,4 +440,4 @@ def verify_summary(parts: Iterable[tuple[int, int, set[tuple[str, str]]]], writt
 __all__ = ["CONVERT_DTYPES", "DEFAULT_MAX_SHARD_BYTES", "LazyTensors", "SafetensorsFolder", "ShardWriter", "TensorSource",
            "VerifyError", "bit_equal", "compare_tensors", "convert_dtype", "first_difference", "index_name",
            "owned_tensors", "parse_size", "progress_bar", "read_json", "safetensors_header", "verify_summary", "weights_name",
-           "write_shards"]
+           "write_safetensors", "write_shards"]

@@ -28,12 +28,14 @@ id no lerobot tag names, ``loong_embodiment_<id>`` added to the pack step's ``em
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from loong.core.checkpoint.safetensors_io import write_safetensors
 from loong.core.errors import LoongError
 from loong.embodied.policies.groot_n1_7.config import EMBODIMENT_IDS, GrootN17Config
 
@@ -56,6 +58,9 @@ PREFIXES: tuple[tuple[str, str], ...] = (
 )
 LM_HEAD = "_groot_model.backbone.model.lm_head.weight"
 EMBED_TOKENS = "backbone.language_model.embed_tokens.weight"
+#: the Loong tensors :func:`to_lerobot` computes lerobot tensors from (the LM head), besides renaming: a streamed
+#: export (``lerobot_io.MappedWeights``) reads only these to compute them
+DERIVED_FROM = (EMBED_TOKENS,)
 
 #: Loong config field -> lerobot GR00TN17Config field (the network shape in the base checkpoint's config.json)
 MODEL_FIELDS: dict[str, str] = {
@@ -204,16 +209,18 @@ def base_config_file(base_model_path: str, folder: Path | None = None) -> Path:
 
 
 def export_options(config: GrootN17Config, state_dict: Mapping[str, torch.Tensor],
-                   dst: Path | None) -> dict[str, Any]:
+                   dst: Path | None, progress: Any = None) -> dict[str, Any]:
     """The ``to_lerobot`` options of an export to ``dst``: for a non-published backbone, the base checkpoint
     :func:`write_lerobot_base` writes into ``dst/groot_base`` (``dst=None``: only the options, nothing written,
-    for the pre-training check); the published shape keeps nvidia's base (no options)."""
+    for the pre-training check); the published shape keeps nvidia's base (no options). ``progress``: a rich
+    progress bar the base's writing adds its task to."""
     if config.backbone is None:
         return {}
     if dst is None:
         return {"base_model_path": EXPORT_BASE_PATH}
     # paths relative to the export, so the folder stays whole when moved (see the module docstring)
-    write_lerobot_base(config, state_dict, Path(dst) / EXPORT_BASE_DIR, model_name=f"{EXPORT_BASE_PATH}/backbone")
+    write_lerobot_base(config, state_dict, Path(dst) / EXPORT_BASE_DIR, model_name=f"{EXPORT_BASE_PATH}/backbone",
+                       progress=progress)
     return {"base_model_path": EXPORT_BASE_PATH}
 
 
@@ -319,13 +326,12 @@ def lerobot_processors(lerobot_config: Any, processor: Any, source: int = 0) -> 
 
 
 def write_lerobot_base(config: GrootN17Config, state_dict: Mapping[str, torch.Tensor], directory: str | Path, *,
-                       model_name: str | None = None) -> Path:
+                       model_name: str | None = None, progress: Any = None) -> Path:
     """Write a raw GR00T N1.7 base checkpoint (``config.json`` + ``model.safetensors`` of ``GR00TN17``) with
     these weights into ``directory`` (and, for a non-published backbone, its Qwen3-VL ``config.json`` into
     ``directory/backbone``); the path is what :func:`to_lerobot`'s ``base_model_path`` names. ``model_name``: how
-    the base's config names that backbone folder (default: its absolute path)."""
-    from safetensors.torch import save_file
-
+    the base's config names that backbone folder (default: its absolute path). The weights are written one tensor
+    at a time; ``progress``: a rich progress bar to add the writing's task to."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     backbone_name = COSMOS_REASON2
@@ -339,14 +345,17 @@ def write_lerobot_base(config: GrootN17Config, state_dict: Mapping[str, torch.Te
     model_config.update(model_type="Gr00tN1d7", architectures=["GR00TN17"])
     (directory / "config.json").write_text(json.dumps(model_config, indent=2))
     prefix = "_groot_model."
-    weights = {}
-    for k, v in state_dict.items():
-        name = to_lerobot_key(k)
-        weights[name[len(prefix):]] = v.detach().contiguous().clone()
-    save_file(weights, str(directory / "model.safetensors"))
+    # one tensor at a time (``state_dict`` may be a lazy mapping over a checkpoint: lerobot_io.CheckpointWeights)
+    names = {to_lerobot_key(k)[len(prefix):]: k for k in state_dict}
+    meta = state_dict.meta() if hasattr(state_dict, "meta") else state_dict
+    entries = {n: (meta[k].shape, meta[k].dtype) for n, k in sorted(names.items())}
+    task = None if progress is None else progress.add_task(
+        "base", total=sum(math.prod(shape) for shape, _ in entries.values()), name="")
+    write_safetensors(directory / "model.safetensors", entries, lambda n: state_dict[names[n]],
+                      progress=None if progress is None else (progress, task))
     return directory
 
 
-__all__ = ["CUSTOM_TAG", "EXPORT_BASE_DIR", "EXPORT_BASE_PATH", "LEROBOT_TYPE", "source_embodiment", "TIED_IN_FILE", "fix_checkpoint", "PREFIXES", "base_config_file", "export_options", "from_lerobot", "from_lerobot_key", "from_lerobot_name", "lerobot_dataset_stats",
+__all__ = ["CUSTOM_TAG", "DERIVED_FROM", "EXPORT_BASE_DIR", "EXPORT_BASE_PATH", "LEROBOT_TYPE", "source_embodiment", "TIED_IN_FILE", "fix_checkpoint", "PREFIXES", "base_config_file", "export_options", "from_lerobot", "from_lerobot_key", "from_lerobot_name", "lerobot_dataset_stats",
            "lerobot_model_config", "lerobot_processors", "to_lerobot", "to_lerobot_key", "to_lerobot_name",
            "write_lerobot_base"]

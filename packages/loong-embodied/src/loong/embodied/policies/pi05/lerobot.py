@@ -51,6 +51,11 @@ PREFIXES: tuple[tuple[str, str], ...] = (
 PALIGEMMA_LM_HEAD = "model.paligemma_with_expert.paligemma.lm_head.weight"
 EXPERT_LM_HEAD = "model.paligemma_with_expert.gemma_expert.lm_head.weight"
 UNUSED_KEYS = (PALIGEMMA_LM_HEAD, EXPERT_LM_HEAD)
+#: the Loong tensors :func:`to_lerobot` computes lerobot tensors from (the two LM heads), besides renaming: a
+#: streamed export (``lerobot_io.MappedWeights``) reads only these to compute them
+DERIVED_FROM = ("embed_tokens.weight",)
+#: the same for :func:`fix_checkpoint` (the embedding of an openpi checkpoint that has only the tied LM head)
+FIX_DERIVED_FROM = (PALIGEMMA_LM_HEAD, PALIGEMMA_LM_HEAD.removeprefix("model."))
 
 #: SigLIP so400m/14 as lerobot builds it (PaliGemma's default vision config plus lerobot's overrides)
 LEROBOT_VISION = {"vision_width": 1152, "vision_depth": 27, "vision_mlp_dim": 4304, "vision_num_heads": 16,
@@ -250,5 +255,5 @@ def lerobot_processors(lerobot_config: Any, processor: Pi05Processor, source: in
     return make_policy_processor_pipelines(input_steps=pre, output_steps=post)
 
 
-__all__ = ["LEROBOT_TYPE", "PREFIXES", "fix_checkpoint", "from_lerobot", "from_lerobot_name", "lerobot_processors",
+__all__ = ["DERIVED_FROM", "FIX_DERIVED_FROM", "LEROBOT_TYPE", "PREFIXES", "fix_checkpoint", "from_lerobot", "from_lerobot_name", "lerobot_processors",
            "to_lerobot", "to_lerobot_name"]
