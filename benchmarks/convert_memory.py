@@ -25,6 +25,11 @@ run in 100MB shards; a run without llm writes ``convert_memory_<converters>_cpu_
 random fp32 GR00T N1.7 run built in-process: the tiny preset with a ``--embodied-size`` Qwen3-VL text tower
 (1024 wide, 4 layers, vocabulary 32000: ~0.11 B parameters, ~0.41 GiB), Loong -> lerobot (``model.safetensors`` and
 the ``groot_base/`` it carries) and that folder back to Loong.
+
+``--converters vlm`` measures ``loong-vlm convert`` both ways, and both again with ``--verify``, on a random bf16
+Qwen2.5-VL HF folder written in-process one tensor at a time (``--vlm-layers`` 4,4: 4 ViT blocks of 1280, 4 text
+layers of 1024, vocabulary 151936 tied: ~0.33 B parameters, ~0.61 GiB; a tiny processor beside it), the Loong -> HF
+run in 100MB shards.
 """
 
 from __future__ import annotations
@@ -133,6 +138,77 @@ def write_random_wan(folder: Path, layers: int) -> dict:
             "largest_native_tensor": {"name": native_largest[0], "bytes": native_largest[1].numel() * 2}}
 
 
+VLM_BASELINE = "import loong.vlm.convert, loong.vlm.cli, megatron.core.dist_checkpointing, torch.distributed.checkpoint"
+
+
+def qwen2_5_vl_small(vision_depth: int, text_layers: int) -> dict:
+    """config.json (the published flat form) of a small Qwen2.5-VL: its ViT's width and Qwen2's vocabulary, fewer
+    blocks / layers and a narrower text model (4 blocks, 4 layers: ~0.33 B parameters)."""
+    return {"architectures": ["Qwen2_5_VLForConditionalGeneration"], "model_type": "qwen2_5_vl", "hidden_act": "silu",
+            "hidden_size": 1024, "intermediate_size": 4096, "num_hidden_layers": text_layers,
+            "num_attention_heads": 16, "num_key_value_heads": 4, "vocab_size": 151936, "rms_norm_eps": 1e-6,
+            "rope_theta": 1000000.0, "max_position_embeddings": 32768, "tie_word_embeddings": True,
+            "torch_dtype": "bfloat16", "bos_token_id": 151643, "eos_token_id": 151645,
+            "rope_scaling": {"type": "mrope", "mrope_section": [16, 8, 8]},
+            "vision_config": {"depth": vision_depth, "hidden_act": "silu", "hidden_size": 1280,
+                              "intermediate_size": 3420, "num_heads": 16, "in_chans": 3, "out_hidden_size": 1024,
+                              "patch_size": 14, "spatial_merge_size": 2, "window_size": 112,
+                              "fullatt_block_indexes": [vision_depth - 1], "temporal_patch_size": 2}}
+
+
+def write_random_vlm(folder: Path, vision_depth: int, text_layers: int) -> dict:
+    """A bf16 HF Qwen2.5-VL folder (random weights, one tensor in memory at a time: names and shapes come from the
+    mapping applied to meta tensors) with a tiny processor beside it; its sizes."""
+    import torch
+
+    from loong.core.checkpoint.safetensors_io import ShardWriter
+    from loong.llm.hf_io import write_hf_metadata
+    from loong.vlm.data.processors import build_tiny_processor
+    from loong.vlm.hf import load_processor_folder, native_shapes, native_to_hf
+    from loong.vlm.hf_config import generation_config_of, hf_config_of, parts_from_hf
+
+    parts = parts_from_hf(qwen2_5_vl_small(vision_depth, text_layers), preset="qwen2_5_vl_small")
+    processor = load_processor_folder(build_tiny_processor(folder, "qwen2_5_vl", patch_size=14))
+    native = {k: torch.empty(s, device="meta") for k, s in native_shapes(parts).items()}
+    shapes = {k: tuple(v.shape) for k, v in native_to_hf(native, parts).items()}
+    gen = torch.Generator().manual_seed(0)
+    writer = ShardWriter(folder, 10 * GIB)
+    for key, shape in shapes.items():
+        writer.add(key, torch.randn(shape, generator=gen).mul_(0.02).to(torch.bfloat16))
+    files = writer.close()
+    config = hf_config_of(parts, processor, "bfloat16")
+    write_hf_metadata(folder, config, generation_config=generation_config_of(config))
+    params = sum(torch.Size(s).numel() for s in shapes.values())
+    largest = max(shapes.items(), key=lambda kv: torch.Size(kv[1]).numel())
+    native_largest = max(native.items(), key=lambda kv: kv[1].numel())
+    return {"converter": "loong-vlm", "shape": f"Qwen2.5-VL, {vision_depth} ViT blocks of 1280, {text_layers} "
+            "text layers of 1024, vocabulary 151936 (tied)", "parameters": params, "bytes": params * 2,
+            "shards": len(files), "largest_hf_tensor": {"name": largest[0], "bytes": torch.Size(largest[1]).numel() * 2},
+            "largest_native_tensor": {"name": native_largest[0], "bytes": native_largest[1].numel() * 2}}
+
+
+def vlm_rows(tmp: Path, vision_depth: int, text_layers: int, env: dict) -> tuple[dict, dict]:
+    """(model sizes, runs) of ``loong-vlm convert`` both ways (and with ``--verify``) on a random Qwen2.5-VL."""
+    exe = [sys.executable, "-m", "loong.vlm.cli"]
+    t = time.perf_counter()
+    model = write_random_vlm(tmp / "vlm", vision_depth, text_layers)
+    model["write_s"] = round(time.perf_counter() - t, 1)
+    hf, loong, back = str(tmp / "vlm"), str(tmp / "vlm_loong"), str(tmp / "vlm2")
+    runs = {"vlm baseline (imports only)": measure([sys.executable, "-c", VLM_BASELINE], env),
+            "VLM HF -> Loong": measure([*exe, "convert", hf, loong, "--no-progress"], env),
+            "VLM Loong -> HF": measure([*exe, "convert", loong, back, "--no-progress", "--max-shard-size", "100MB"],
+                                       env),
+            "VLM HF -> Loong --verify": measure([*exe, "convert", hf, loong + "_v", "--no-progress", "--verify"], env),
+            "VLM Loong -> HF --verify": measure([*exe, "convert", loong, back + "_v", "--no-progress", "--verify",
+                                                 "--max-shard-size", "100MB"], env)}
+    largest, native = model["largest_hf_tensor"], model["largest_native_tensor"]
+    print(f"vlm model: {model['shape']}: {model['parameters'] / 1e9:.3f} B parameters, {model['bytes'] / GIB:.2f} "
+          f"GiB bf16; largest HF tensor {largest['bytes'] / GIB:.3f} GiB, largest native tensor "
+          f"{native['bytes'] / GIB:.3f} GiB ({native['name']})")
+    _table(runs, "vlm baseline (imports only)", model["bytes"])
+    return model, runs
+
+
 def diffusion_rows(tmp: Path, layers: int, env: dict) -> tuple[dict, dict]:
     """(model sizes, runs) of ``loong-diffusion convert`` both ways on a random Wan."""
     exe = [sys.executable, "-m", "loong.diffusion.cli"]
@@ -235,7 +311,8 @@ def main() -> None:
     parser.add_argument("--max-shard-size", default="1GB", help="--max-shard-size of the Loong -> HF run (1GB)")
     parser.add_argument("--verify", action="store_true", help="also measure both directions with --verify")
     parser.add_argument("--converters", default="llm,diffusion",
-                        help="comma-separated converters to measure: llm, diffusion, embodied (default: llm,diffusion)")
+                        help="comma-separated converters to measure: llm, diffusion, embodied, vlm (default: "
+                             "llm,diffusion)")
     parser.add_argument("--wan-layers", type=int, default=4,
                         help="Wan blocks of the diffusion model (4: ~0.19 B parameters, ~0.37 GiB bf16)")
     parser.add_argument("--embodied-size", default="1024,4,32000", metavar="HIDDEN,LAYERS,VOCAB",
@@ -249,15 +326,16 @@ def main() -> None:
     from loong.llm.hf_io import parse_size
 
     which = {c.strip() for c in args.converters.split(",") if c.strip()}
-    if not which or which - {"llm", "diffusion", "embodied"}:
-        raise SystemExit(f"--converters {args.converters}: a comma-separated subset of llm, diffusion, embodied")
+    if not which or which - {"llm", "diffusion", "embodied", "vlm"}:
+        raise SystemExit(f"--converters {args.converters}: a comma-separated subset of llm, diffusion, embodied, "
+                         "vlm")
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     exe = [sys.executable, "-m", "loong.llm.cli"]
     hardware = host()
     result: dict = {"benchmark": "convert_memory", "date": time.strftime("%Y-%m-%d %H:%M:%S"),
                     "command": "python benchmarks/convert_memory.py " + " ".join(sys.argv[1:]),
-                    "versions": versions(["loong-llm", "loong-diffusion", "loong-core", "megatron-core", "torch",
-                                          "safetensors", "transformers", "diffusers"]),
+                    "versions": versions(["loong-llm", "loong-diffusion", "loong-vlm", "loong-core", "megatron-core",
+                                          "torch", "safetensors", "transformers", "diffusers"]),
                     "notes": "peak RSS: ru_maxrss of the convert process (getrusage RUSAGE_CHILDREN in a fresh "
                              "parent); '- baseline' subtracts the peak RSS of a process that only imports that "
                              "converter; 'x model' is that difference over the model's bf16 bytes"}
@@ -304,6 +382,9 @@ def main() -> None:
                   f"GiB ({model['largest_tensor']['name']})")
             _table(runs, "embodied baseline (imports only)", model["bytes"])
             result.update(embodied_model=model, embodied_figures=runs)
+        if "vlm" in which:
+            model, runs = vlm_rows(tmp, *(int(x) for x in args.vlm_layers.split(",")), env)
+            result.update(vlm_model=model, vlm_figures=runs)
     result["hardware"] = {**hardware, "load_average_after": os.getloadavg()}
     RESULTS.mkdir(exist_ok=True)
     tag = "" if which == {"llm"} else "_" + "_".join(sorted(which))  # a partial run keeps the llm file intact

@@ -19,7 +19,6 @@ import shutil
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -123,40 +122,14 @@ def _check_hf(hf: HFTensors, cfg: DenseModelConfig) -> None:
 def _fill(model: torch.nn.Module, hf: HFTensors, cfg: DenseModelConfig, progress: bool) -> None:
     """Copy the HF tensors into the model's parameters one layer slice of one native tensor at a time (a stacked
     native tensor is never assembled: memory above the model is about one layer's tensor, or the embedding)."""
-    from loong.core.engines.megatron.state import sharded_tensors
+    from loong.core.engines.megatron.state import load_state_by_key
 
     shapes = native_shapes(cfg)
-    by_key: dict[str, list[Any]] = {}
-    for st in sharded_tensors([model]):
-        by_key.setdefault(st.key, []).append(st)
-    unknown = sorted(set(by_key) - set(shapes))
-    if unknown:
-        raise LoongError(f"the {cfg.family} model has tensors the mapping does not fill, e.g. {unknown[:3]}")
     take = _hf_taker(hf, set())
-
-    def copy(st: Any, part: torch.Tensor, first: int) -> None:
-        p = st.prepend_axis_num  # leading axes indexed by an integer (layer, expert, ...); the rest are slices
-        idx = tuple(st.global_offset[first:p]) + tuple(
-            slice(o, o + n) for o, n in zip(st.global_offset[p:], st.local_shape, strict=True))
-        st.data.copy_(part[idx].to(st.data.dtype))
-
-    with torch.no_grad(), progress_bar(progress, "convert") as bar:
+    with progress_bar(progress, "convert") as bar:
         task = bar.add_task("convert", total=sum(math.prod(s) for s in shapes.values()), name="")
-        for key, shape in shapes.items():
-            bar.update(task, name=key)
-            if is_stacked(key):
-                for layer in range(shape[0]):
-                    part = hf_to_native_key(key, take, cfg, layer=layer)
-                    for st in by_key.get(key, []):
-                        if st.global_offset[0] == layer:
-                            copy(st, part, 1)
-                    del part
-            else:
-                tensor = hf_to_native_key(key, take, cfg)
-                for st in by_key.get(key, []):
-                    copy(st, tensor, 0)
-                del tensor
-            bar.advance(task, math.prod(shape))
+        load_state_by_key([model], shapes, lambda key, layer: hf_to_native_key(key, take, cfg, layer=layer),
+                          is_stacked, progress=(bar, task))
 
 
 def hf_to_loong(src: Path, dst: Path, dtype: str = "auto", progress: bool = False) -> Path:

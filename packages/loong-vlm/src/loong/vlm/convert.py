@@ -8,12 +8,24 @@ from its weights at any TP/PP, its config setting the shapes), with the folder's
 has one. A Loong checkpoint (a run, its ``checkpoints`` folder or one step) becomes an HF folder that
 ``from_pretrained`` loads, with the processor the checkpoint was trained with (or ``--processor DIR``), in
 safetensors shards of at most ``max_shard_bytes`` with ``model.safetensors.index.json``. :func:`verify` rereads
-both sides and compares every tensor bit for bit. Both directions hold the whole model once (not streamed).
+both sides and compares every tensor bit for bit.
+
+Both directions stream (docs/convert.md states the measured bound). Loong -> HF reads one native tensor at a time
+from the checkpoint's torch-DCP files (loong-llm's :class:`~loong.llm.convert.CheckpointTensors`: only that
+tensor's chunks, whatever layout wrote them), maps it to its HF tensors (:class:`~loong.vlm.hf.KeyMapping`: a
+foundation tensor stacks every layer, e.g. the fused QKV, and gives them all) and queues them in the core's
+``ShardWriter`` before the next is read: memory holds about the largest native tensor (twice where the mapping
+builds new tensors: Qwen3-VL-MoE's fused experts) plus one shard. HF -> Loong reads the folder one tensor at a time
+while filling the model, one native tensor (a foundation tensor: one layer of it) at a time, each HF tensor read
+once; the built model, the Loong state, is held once, as megatron-core's save of a built model needs it (its
+``_extra_state`` and common state go with the tensors). :func:`verify` compares tensor by tensor, holding one
+native tensor's HF tensors and one HF tensor.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +36,7 @@ from loong.core.checkpoint import CheckpointManager, read_config, resolve_checkp
 from loong.core.checkpoint.safetensors_io import (
     CONVERT_DTYPES,
     DEFAULT_MAX_SHARD_BYTES,
-    SafetensorsFolder,
+    TensorSource,
     compare_tensors,
     convert_dtype,
     verify_summary,
@@ -32,15 +44,17 @@ from loong.core.checkpoint.safetensors_io import (
 from loong.core.config.schema import ParallelConfig, from_dict, to_dict
 from loong.core.engines.megatron.layout import world
 from loong.core.errors import LoongError
+from loong.llm.convert import CheckpointTensors
 from loong.vlm.hf import (
+    KeyMapping,
+    fill_from_hf,
     has_processor,
     layout_of,
-    load_hf_into,
     load_processor_folder,
     native_shapes,
-    native_to_hf,
+    open_hf_folder,
     parts_from_folder,
-    write_hf,
+    write_hf_tensors,
 )
 from loong.vlm.hf_config import VLMParts, adopt_parts, check_parts, hf_config_of
 from loong.vlm.schema import VLMRunConfig
@@ -105,12 +119,14 @@ def _build(parts: VLMParts, dtype: torch.dtype, accelerator: Any, layout: Any) -
     return model
 
 
-def hf_to_loong(src: Path, dst: Path, dtype: str = "auto") -> Path:
+def hf_to_loong(src: Path, dst: Path, dtype: str = "auto", progress: bool = False) -> Path:
     """Import an HF VLM folder as a weights-only Loong checkpoint under ``dst/checkpoints`` (its processor, when
     the folder has one, under the step's ``processor/``). ``dtype`` ``auto`` keeps the folder's (the most common
-    floating dtype of its tensors, read from the safetensors headers), as ``loong-llm convert`` does."""
+    floating dtype of its tensors, read from the safetensors headers), as ``loong-llm convert`` does. The folder's
+    names and shapes are checked before the model is built, then it is read one tensor at a time into the model
+    (:func:`~loong.vlm.hf.load_hf_into`)."""
     parts = parts_from_folder(src)
-    hf = SafetensorsFolder(src, what="Hugging Face model folder")
+    hf, mapping = open_hf_folder(src, parts)
     torch_dtype = convert_dtype(dtype, (hf.meta(k)[1] for k in hf.keys()), str(src))
     processor = load_processor_folder(src) if has_processor(src) else None
     run_cfg = VLMRunConfig(run_name=dst.name, output_dir=str(dst.parent))
@@ -118,7 +134,7 @@ def hf_to_loong(src: Path, dst: Path, dtype: str = "auto") -> Path:
     accelerator = select_accelerator("cpu")
     with world(accelerator, ParallelConfig()) as layout:
         model = _build(parts, torch_dtype, accelerator, layout)
-        load_hf_into([model], src, parts)
+        fill_from_hf([model], hf, mapping, progress=progress)
 
         def artifacts(step_dir: Path) -> None:
             if processor is not None:
@@ -130,28 +146,33 @@ def hf_to_loong(src: Path, dst: Path, dtype: str = "auto") -> Path:
     return dst / "checkpoints"
 
 
-def read_native(step_dir: Path, parts: VLMParts) -> dict[str, torch.Tensor]:
-    """The whole native model state of a loong-vlm step directory (whole tensors in their saved dtype, whatever
-    layout wrote them), checked against ``parts``' names and shapes."""
-    from megatron.core.dist_checkpointing.serialization import load_plain_tensors
-
-    with world(select_accelerator("cpu"), ParallelConfig()):
-        plain = load_plain_tensors(str(step_dir))
+def checkpoint_tensors(step_dir: Path, parts: VLMParts) -> CheckpointTensors:
+    """The model tensors of a loong-vlm step directory, to be read one whole tensor at a time (whatever layout
+    wrote them), their names and shapes checked against ``parts`` from the checkpoint's metadata."""
+    reader = CheckpointTensors(step_dir)
     wanted = native_shapes(parts)
-    missing = sorted(set(wanted) - set(plain))
+    missing = sorted(set(wanted) - set(reader.meta))
     if missing:
         raise LoongError(f"{step_dir} lacks model tensors {missing[:3]} for its config")
-    bad = sorted(k for k, shape in wanted.items() if tuple(plain[k].shape) != shape)
+    bad = sorted(k for k, shape in wanted.items() if reader.meta[k][0] != shape)
     if bad:
-        raise LoongError(f"{step_dir}: {bad[0]} has shape {tuple(plain[bad[0]].shape)}, its config implies "
+        raise LoongError(f"{step_dir}: {bad[0]} has shape {reader.meta[bad[0]][0]}, its config implies "
                          f"{wanted[bad[0]]}")
-    return {k: plain[k] for k in wanted}
+    return reader
+
+
+def read_native(step_dir: Path, parts: VLMParts) -> dict[str, torch.Tensor]:
+    """The whole native model state of a loong-vlm step directory (whole tensors in their saved dtype, whatever
+    layout wrote them), checked against ``parts``' names and shapes. (The converter streams instead.)"""
+    reader = checkpoint_tensors(step_dir, parts)
+    return {k: reader.get(k) for k in native_shapes(parts)}
 
 
 def loong_to_hf(src: Path, dst: Path, dtype: str = "auto", processor: str | Path | None = None,
                 max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, progress: bool = False) -> Path:
     """Export a Loong VLM checkpoint (any layout it was saved at) as an HF folder with its processor
-    (``processor``: a processor folder instead of the checkpoint's own), sharded above ``max_shard_bytes``."""
+    (``processor``: a processor folder instead of the checkpoint's own), sharded above ``max_shard_bytes``;
+    streamed, one native tensor read at a time (module docstring)."""
     step_dir = resolve_checkpoint(src)
     parts = checkpoint_parts(step_dir)
     check_parts(parts, "convert to a Hugging Face folder")
@@ -162,29 +183,81 @@ def loong_to_hf(src: Path, dst: Path, dtype: str = "auto", processor: str | Path
                          "from the processor's tokenizer: pass --processor DIR")
     proc = load_processor_folder(proc_dir)
     hf_config_of(parts, proc)  # refuse a misfit processor before reading the weights
-    native = read_native(step_dir, parts)
-    out_dtype = convert_dtype(dtype, (t.dtype for t in native.values()), str(step_dir))
-    return write_hf(native, parts, dst, out_dtype, proc, max_shard_bytes=max_shard_bytes, progress=progress)
+    reader = checkpoint_tensors(step_dir, parts)
+    out_dtype = convert_dtype(dtype, (reader.meta[k][1] for k in native_shapes(parts)), str(step_dir))
+    return write_hf_tensors(reader.get, parts, dst, out_dtype, proc, max_shard_bytes=max_shard_bytes,
+                            progress=progress)
+
+
+class _CheckpointAsHF:
+    """A checkpoint's tensors under HF names, for :func:`compare_tensors`: asking for an HF tensor reads the
+    native tensor it comes from and maps it, keeping that one native tensor's HF tensors until another is asked
+    for (so the side is never held whole; its keys come grouped by native tensor)."""
+
+    def __init__(self, reader: CheckpointTensors, mapping: KeyMapping) -> None:
+        self.reader, self.mapping = reader, mapping
+        self.owner: dict[str, str] = {}
+        for key, shape in mapping.shapes.items():  # the HF names, from meta tensors: nothing read
+            for name in mapping.to_hf(key, torch.empty(shape, dtype=reader.meta[key][1], device="meta")):
+                self.owner[name] = key
+        self._key: str | None = None
+        self._tensors: dict[str, torch.Tensor] = {}
+
+    def keys(self) -> list[str]:
+        return list(self.owner)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self.owner
+
+    def get(self, name: str) -> torch.Tensor:
+        key = self.owner[name]
+        if key != self._key:
+            self._key, self._tensors = None, {}  # the previous native tensor goes before the next is read
+            self._tensors, self._key = self.mapping.to_hf(key, self.reader.get(key)), key
+        return self._tensors[name]
+
+
+class _InOrder:
+    """``source``'s tensors, :meth:`keys` listing ``order``'s names first: the HF folder compared in the
+    checkpoint side's order, so each native tensor is read once."""
+
+    def __init__(self, source: TensorSource, order: Iterable[str]) -> None:
+        self.source, self.order = source, list(order)
+
+    def keys(self) -> list[str]:
+        first = [k for k in self.order if k in self.source]
+        placed = set(first)
+        return first + [k for k in self.source.keys() if k not in placed]
+
+    def __contains__(self, key: object) -> bool:
+        return key in self.source
+
+    def get(self, key: str) -> torch.Tensor:
+        return self.source.get(key)
 
 
 def verify(hf_folder: str | Path, checkpoint: str | Path, into: str, progress: bool = False) -> str:
     """Reread both sides of a conversion and compare every tensor under HF names (the checkpoint's native state
-    through :func:`~loong.vlm.hf.native_to_hf`, in the HF folder's own layout); a one-line summary.
+    through :class:`~loong.vlm.hf.KeyMapping`, in the HF folder's own layout); a one-line summary. Tensor by
+    tensor: one native tensor's HF tensors and one HF tensor in memory at a time.
 
     ``into``: the side that was written (``"hf"`` or ``"loong"``); the other side is cast to its dtype and must then
     match bit for bit, with the same names. Raises :class:`~loong.core.checkpoint.safetensors_io.VerifyError` on the
     first tensor that differs.
     """
+    from loong.llm.hf_io import HFTensors
+
     start = time.perf_counter()
     step_dir = resolve_checkpoint(Path(checkpoint))
     parts = checkpoint_parts(step_dir)
-    hf = SafetensorsFolder(hf_folder, what="Hugging Face model folder")
+    hf = HFTensors(hf_folder)
     # the layout (legacy names, expert form) is read from the names and shapes alone: meta tensors, no data
     layout = layout_of({k: torch.empty(hf.meta(k)[0], dtype=hf.meta(k)[1], device="meta") for k in hf.keys()},
                        parts)
-    ours = native_to_hf(read_native(step_dir, parts), parts, layout)
+    ours = _CheckpointAsHF(checkpoint_tensors(step_dir, parts), KeyMapping(parts, layout))
     hf_name, ckpt_name = str(hf.folder), str(step_dir)
-    sides = (hf, ours, hf_name, ckpt_name) if into == "hf" else (ours, hf, ckpt_name, hf_name)
+    sides = ((_InOrder(hf, ours.keys()), ours, hf_name, ckpt_name) if into == "hf"
+             else (ours, hf, ckpt_name, hf_name))
     result = compare_tensors(*sides, progress=progress)
     written, source = ("HF", "Loong") if into == "hf" else ("Loong", "HF")
     return verify_summary([result], written, source, start)
@@ -211,7 +284,7 @@ def convert(src: str | Path, dst: str | Path, dtype: str = "auto", processor: st
         if processor is not None:
             raise LoongError(f"--processor applies to a Loong checkpoint; {src} is a Hugging Face folder (its own "
                              "processor is kept)")
-        out = hf_to_loong(src_p, dst_p, dtype)
+        out = hf_to_loong(src_p, dst_p, dtype, progress=progress)
         return out, verify(src_p, out, "loong", progress=progress) if check else None
     try:
         resolve_checkpoint(src_p, verify=False)  # is it a checkpoint at all? (integrity: below)
@@ -224,5 +297,5 @@ def convert(src: str | Path, dst: str | Path, dtype: str = "auto", processor: st
     return out, verify(out, src_p, "hf", progress=progress) if check else None
 
 
-__all__ = ["DTYPES", "SECTIONS", "adopt_resume_checkpoint", "checkpoint_parts", "convert", "hf_to_loong",
-           "loong_to_hf", "read_native", "verify"]
+__all__ = ["DTYPES", "SECTIONS", "adopt_resume_checkpoint", "checkpoint_parts", "checkpoint_tensors", "convert",
+           "hf_to_loong", "loong_to_hf", "read_native", "verify"]

@@ -20,7 +20,9 @@ written back in that layout (:func:`layout_of`) is bit-exact. The config side is
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import importlib
+import math
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -28,10 +30,17 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from loong.core.checkpoint.safetensors_io import DEFAULT_MAX_SHARD_BYTES, progress_bar, write_shards
-from loong.core.engines.megatron.state import gather_full_state, load_full_state
+from loong.core.checkpoint.safetensors_io import (
+    DEFAULT_MAX_SHARD_BYTES,
+    LazyTensors,
+    ShardWriter,
+    progress_bar,
+)
+from loong.core.engines.megatron.state import gather_full_state, load_state_by_key
 from loong.core.errors import LoongError
-from loong.llm.hf_io import read_hf_folder, write_hf_metadata
+from loong.llm.hf_io import HFTensors, read_hf_folder, write_hf_metadata
+from loong.llm.models.hf_mapping import hf_to_native_key as foundation_hf_to_native_key
+from loong.llm.models.hf_mapping import is_stacked as foundation_is_stacked
 from loong.llm.models.hf_mapping import native_shapes as foundation_shapes
 from loong.vlm.hf_config import (
     VLMParts,
@@ -50,6 +59,8 @@ from loong.vlm.models.text_mapping import (
     experts_layout_of,
     text_hf_to_native,
     text_native_to_hf,
+    text_native_to_hf_key,
+    text_taker,
 )
 
 Tensor = torch.Tensor
@@ -120,19 +131,17 @@ def to_memory_layout(hf_state: Mapping[str, Tensor], family: str) -> tuple[dict[
     return out, True
 
 
+def file_key(key: str, family: str, legacy: bool) -> str:
+    """One in-memory name -> its ``legacy`` file name (unchanged when not ``legacy``)."""
+    for old, new in LEGACY_RENAMES.get(family, ()) if legacy else ():
+        if key.startswith(new):
+            return old + key[len(new):]
+    return key
+
+
 def to_file_layout(state: Mapping[str, Tensor], family: str, legacy: bool) -> dict[str, Tensor]:
     """In-memory names -> ``legacy`` file names (the inverse of :func:`to_memory_layout`)."""
-    renames = LEGACY_RENAMES.get(family)
-    if not legacy or renames is None:
-        return dict(state)
-    out = {}
-    for key, value in state.items():
-        for old, new in renames:
-            if key.startswith(new):
-                key = old + key[len(new):]
-                break
-        out[key] = value
-    return out
+    return {file_key(key, family, legacy): value for key, value in state.items()}
 
 
 def layout_of(hf_state: Mapping[str, Tensor], parts: VLMParts) -> HFLayout:
@@ -193,6 +202,67 @@ def native_shapes(parts: VLMParts) -> dict[str, tuple[int, ...]]:
     return out
 
 
+# --- one native tensor at a time (what the converters stream) ---------------------------------------
+class KeyMapping:
+    """:func:`hf_to_native` / :func:`native_to_hf` one native tensor at a time, HF names in ``layout`` (default:
+    :func:`canonical_layout`): a vision tensor is one HF tensor (InternVL's fused qkv: its q, k and v), a foundation
+    tensor the HF tensors of all its layers (loong-llm's per-key mapping behind
+    :func:`~loong.vlm.models.text_mapping.text_native_to_hf_key`: fused QKV, gate/up, Qwen3-VL-MoE's fused
+    experts). Each key maps exactly as in the whole-state functions (a test holds them equal, every family)."""
+
+    def __init__(self, parts: VLMParts, layout: HFLayout | None = None) -> None:
+        fam = check_parts(parts, "mapping a Hugging Face checkpoint")
+        self.parts, self.family = parts, fam.name
+        self.layout = layout or canonical_layout(fam.name)
+        vision = vision_family(fam.encoder, fam.projector)
+        module = importlib.import_module(f"{vision.module}.mapping")  # the family's HF key rules
+        key_rules = getattr(module, "key_rules", None)  # families with fused HF tensors (InternVL's q/k/v) have it
+        rules, self._fused = (key_rules(parts.encoder, parts.projector) if key_rules is not None
+                              else (module.rules(parts.encoder, parts.projector), {}))
+        self._rules = {r.native: r for r in rules}
+        self._hf_prefix = vision.hf_prefix
+        #: every native key's whole shape, in the order the converters go through them
+        self.shapes = native_shapes(parts)
+
+    def is_stacked(self, key: str) -> bool:
+        """Whether native ``key`` stacks the foundation's layers on its leading axis."""
+        return key.startswith(FOUNDATION) and foundation_is_stacked(key[len(FOUNDATION):])
+
+    def _rule(self, key: str) -> Any:
+        if key not in self._rules:
+            raise LoongError(f"{key} is not a native tensor of a {self.family} model")
+        return self._rules[key]
+
+    def to_hf(self, key: str, tensor: Tensor) -> dict[str, Tensor]:
+        """The HF tensors (file names) of native tensor ``key``; they may be views of ``tensor``."""
+        if key.startswith(FOUNDATION):
+            out = text_native_to_hf_key(key[len(FOUNDATION):], tensor, self.parts.foundation, TEXT_PREFIX,
+                                        self.layout.experts)
+        else:
+            rule = self._rule(key)
+            t, names = rule.to_hf(tensor), self._fused.get(rule.hf)
+            # fused chunks are cloned: they would share one storage, which safetensors refuses to save
+            out = ({self._hf_prefix + rule.hf: t} if names is None else
+                   {self._hf_prefix + n: part.clone() for n, part in zip(names, t.chunk(len(names)), strict=True)})
+        return {file_key(k, self.family, self.layout.legacy): v for k, v in out.items()}
+
+    def to_native(self, key: str, take: Callable[[str], Tensor], layer: int | None = None) -> Tensor:
+        """Native tensor ``key`` (a stacked one with ``layer``: that layer's slice) from the HF tensors
+        ``take(file name)`` returns; only those it needs are asked for."""
+        def memory_take(name: str) -> Tensor:
+            return take(file_key(name, self.family, self.layout.legacy))
+
+        if key.startswith(FOUNDATION):
+            fnd = self.parts.foundation
+            return foundation_hf_to_native_key(key[len(FOUNDATION):], text_taker(memory_take, fnd, TEXT_PREFIX), fnd,
+                                               layer=layer)
+        rule = self._rule(key)
+        names = self._fused.get(rule.hf)
+        t = (memory_take(self._hf_prefix + rule.hf) if names is None
+             else torch.cat([memory_take(self._hf_prefix + n) for n in names]))
+        return rule.to_native(t)
+
+
 # --- folders -----------------------------------------------------------------------------------------
 def read_hf_config(path: str | Path) -> dict[str, Any]:
     """config.json of an HF folder, with a one-line error when it is not one."""
@@ -240,38 +310,90 @@ def adopt_init_from_hf(cfg: Any) -> None:
 def read_hf_state(path: str | Path, parts: VLMParts) -> dict[str, Tensor]:
     """The whole native state of an HF VLM folder whose config gives ``parts`` (safetensors only)."""
     hf_config, state = read_hf_folder(path)
-    fam = family_of_hf_config(hf_config, source=str(path))
-    if fam.name != parts.model.family:
-        raise LoongError(f"{path} is a {fam.architecture} checkpoint but model.family is {parts.model.family}")
+    _check_family(path, hf_config, parts)
     try:
         return hf_to_native(state, parts)
     except LoongError as err:
         raise LoongError(f"{path}: {err}") from None
 
 
-def load_hf_into(model_chunks: list[torch.nn.Module], path: str | Path, parts: VLMParts) -> None:
-    """Load an HF VLM folder's weights into this rank's chunks (each takes its own slices)."""
-    load_full_state(model_chunks, read_hf_state(path, parts))
+def _check_family(path: str | Path, hf_config: Mapping[str, Any], parts: VLMParts) -> None:
+    fam = family_of_hf_config(dict(hf_config), source=str(path))
+    if fam.name != parts.model.family:
+        raise LoongError(f"{path} is a {fam.architecture} checkpoint but model.family is {parts.model.family}")
+
+
+def open_hf_folder(path: str | Path, parts: VLMParts) -> tuple[HFTensors, KeyMapping]:
+    """An HF VLM folder whose config gives ``parts``, opened to be read one tensor at a time, and the mapping in
+    the folder's layout. Every name and shape is checked from the safetensors headers first (the whole-state
+    mapping run on meta tensors: no data read), with the errors :func:`read_hf_state` gives."""
+    _check_family(path, read_hf_config(path), parts)
+    hf = HFTensors(path)
+    meta = LazyTensors(hf).meta()
+    try:
+        hf_to_native(meta, parts)
+    except LoongError as err:
+        raise LoongError(f"{path}: {err}") from None
+    return hf, KeyMapping(parts, layout_of(meta, parts))
+
+
+def load_hf_into(model_chunks: list[torch.nn.Module], path: str | Path, parts: VLMParts,
+                 progress: bool = False) -> None:
+    """Load an HF VLM folder's weights into this rank's chunks (each takes its own slices), streamed: one native
+    tensor (a foundation tensor: one layer of it) is built at a time from the HF tensors it needs, each read once
+    from the files. ``progress``: a progress bar on stderr."""
+    fill_from_hf(model_chunks, *open_hf_folder(path, parts), progress=progress)
+
+
+def fill_from_hf(model_chunks: list[torch.nn.Module], hf: HFTensors, mapping: KeyMapping,
+                 progress: bool = False) -> None:
+    """:func:`load_hf_into` from a folder :func:`open_hf_folder` opened."""
+    with progress_bar(progress, "convert") as bar:
+        task = bar.add_task("convert", total=sum(math.prod(s) for s in mapping.shapes.values()), name="")
+        load_state_by_key(model_chunks, mapping.shapes, lambda key, layer: mapping.to_native(key, hf.get, layer),
+                          mapping.is_stacked, progress=(bar, task))
+
+
+def hf_config_json(parts: VLMParts, dtype: torch.dtype, processor: Any) -> dict[str, Any]:
+    """The config.json an HF folder of ``parts`` in ``dtype`` is written with (token ids from ``processor``)."""
+    if dtype not in DTYPE_NAMES:
+        raise LoongError(f"dtype {dtype} cannot be written (float32, bfloat16 or float16)")
+    return hf_config_of(parts, processor, DTYPE_NAMES[dtype])
+
+
+def write_hf_tensors(get: Callable[[str], Tensor], parts: VLMParts, out_dir: str | Path, dtype: torch.dtype,
+                     processor: Any, layout: HFLayout | None = None, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+                     progress: bool = False) -> Path:
+    """Write an HF folder of ``parts`` in ``dtype`` whose native tensors ``get(key)`` returns, one at a time: each
+    is mapped, cast and queued in the shard writer before the next is asked for, so memory holds one native tensor
+    (and its HF pieces) plus the shard being filled. config.json, generation_config.json and ``processor`` (a
+    :class:`~loong.vlm.data.processors.VisionProcessor` or a transformers processor: its token ids go into the
+    config) are written beside the safetensors (sharded with ``model.safetensors.index.json`` above
+    ``max_shard_bytes``). ``progress``: a progress bar on stderr."""
+    config = hf_config_json(parts, dtype, processor)
+    mapping = KeyMapping(parts, layout)
+    with progress_bar(progress, "convert") as bar:
+        task = bar.add_task("convert", total=sum(math.prod(s) for s in mapping.shapes.values()), name="")
+        writer = ShardWriter(out_dir, max_shard_bytes)
+        for key in mapping.shapes:
+            for name, tensor in mapping.to_hf(key, get(key)).items():
+                bar.update(task, name=name)
+                writer.add(name, tensor.to(dtype))  # cast one piece at a time: never a second copy of the model
+                bar.advance(task, tensor.numel())
+        writer.close()
+    folder = write_hf_metadata(out_dir, config, generation_config=generation_config_of(config))
+    getattr(processor, "hf", processor).save_pretrained(str(folder))
+    return folder
 
 
 def write_hf(native: Mapping[str, Tensor], parts: VLMParts, out_dir: str | Path, dtype: torch.dtype,
              processor: Any, layout: HFLayout | None = None, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
              progress: bool = False) -> Path:
-    """Write the whole native state as an HF folder in ``dtype`` (config.json, generation_config.json,
-    safetensors, sharded with ``model.safetensors.index.json`` above ``max_shard_bytes``) with ``processor`` (a
-    :class:`~loong.vlm.data.processors.VisionProcessor` or a transformers processor: its token ids go into the
-    config) saved beside it. ``progress``: a progress bar on stderr."""
-    if dtype not in DTYPE_NAMES:
-        raise LoongError(f"dtype {dtype} cannot be written (float32, bfloat16 or float16)")
-    config = hf_config_of(parts, processor, DTYPE_NAMES[dtype])
-    state = native_to_hf(native, parts, layout)
-    with progress_bar(progress, "convert") as bar:
-        task = bar.add_task("convert", total=sum(v.numel() for v in state.values()), name="")
-        # cast one tensor at a time, as it is written: never a second whole copy of the model
-        write_shards(out_dir, ((k, v.to(dtype)) for k, v in state.items()), max_shard_bytes, progress=(bar, task))
-    folder = write_hf_metadata(out_dir, config, generation_config=generation_config_of(config))
-    getattr(processor, "hf", processor).save_pretrained(str(folder))
-    return folder
+    """Write the whole native state as an HF folder (:func:`write_hf_tensors` over ``native``; its names and
+    shapes are checked first)."""
+    hf_config_json(parts, dtype, processor)  # a bad dtype or processor is refused before the names
+    native_to_hf({k: torch.empty(v.shape, dtype=v.dtype, device="meta") for k, v in native.items()}, parts, layout)
+    return write_hf_tensors(native.__getitem__, parts, out_dir, dtype, processor, layout, max_shard_bytes, progress)
 
 
 def export_model(model_chunks: list[torch.nn.Module], parts: VLMParts, out_dir: str | Path, processor: Any) -> Path:
@@ -287,7 +409,8 @@ def export_model(model_chunks: list[torch.nn.Module], parts: VLMParts, out_dir: 
     return Path(out_dir)
 
 
-__all__ = ["DTYPE_NAMES", "HFLayout", "LEGACY_RENAMES", "adopt_init_from_hf", "canonical_layout", "export_model",
-           "has_processor", "hf_to_native", "layout_of", "load_hf_into", "load_processor_folder", "native_shapes",
-           "native_to_hf", "parts_from_folder", "read_hf_config", "read_hf_state", "to_file_layout",
-           "to_memory_layout", "write_hf"]
+__all__ = ["DTYPE_NAMES", "HFLayout", "LEGACY_RENAMES", "KeyMapping", "adopt_init_from_hf", "canonical_layout",
+           "export_model", "file_key", "fill_from_hf", "has_processor", "hf_config_json", "hf_to_native", "layout_of",
+           "load_hf_into", "load_processor_folder", "native_shapes", "native_to_hf", "open_hf_folder",
+           "parts_from_folder", "read_hf_config", "read_hf_state", "to_file_layout", "to_memory_layout", "write_hf",
+           "write_hf_tensors"]

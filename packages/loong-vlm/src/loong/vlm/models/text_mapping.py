@@ -22,7 +22,8 @@ Every mapping is exactly invertible (HF -> Loong -> HF is bit-exact for a state 
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+import re
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -30,7 +31,7 @@ import torch
 
 from loong.core.errors import LoongError
 from loong.llm.models.config import DenseModelConfig
-from loong.llm.models.hf_mapping import family_by_name, hf_to_native, native_to_hf
+from loong.llm.models.hf_mapping import family_by_name, hf_to_native, native_to_hf, native_to_hf_key
 
 Tensor = torch.Tensor
 
@@ -42,6 +43,8 @@ TRANSFORMERS5: Literal["transformers5"] = "transformers5"
 ExpertsLayout = Literal["hub", "transformers5"]
 
 _FUSED_GATE_UP, _FUSED_DOWN = "mlp.experts.gate_up_proj", "mlp.experts.down_proj"
+#: a causal-LM checkpoint's per-expert weight (what loong-llm's Qwen3-MoE mapping asks for)
+_EXPERT_WEIGHT = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight")
 
 #: VLM architecture -> (loong-llm family of its text model, interleaved M-RoPE, HF model_type, text model_type)
 ARCHITECTURES: dict[str, tuple[str, bool, str, str]] = {
@@ -125,20 +128,23 @@ def _unfuse_experts(src: dict[str, Tensor], cfg: DenseModelConfig, prefix: str) 
 
 
 def _fuse_experts(out: dict[str, Tensor], cfg: DenseModelConfig, prefix: str, layout: str) -> None:
-    """Inverse of :func:`_unfuse_experts`: per-expert weights in ``out`` -> fused tensors in ``layout``."""
+    """Inverse of :func:`_unfuse_experts`: per-expert weights in ``out`` -> fused tensors in ``layout``. Only the
+    fused tensors whose pieces ``out`` holds are made (one native tensor's: gate/up from ``linear_fc1``, down from
+    ``linear_fc2``)."""
     gate_up_shape, down_shape = _expert_shapes(cfg)
     for i in range(cfg.num_layers):
         pre = f"{prefix}layers.{i}."
         experts = [f"{pre}mlp.experts.{e}." for e in range(cfg.num_experts)]
-        gate_up = torch.stack([torch.cat([out.pop(p + "gate_proj.weight"), out.pop(p + "up_proj.weight")])
-                               for p in experts])
-        down = torch.stack([out.pop(p + "down_proj.weight") for p in experts])
         # a tensor whose two layouts share a shape is written as transformers reads it (in-memory layout)
-        if layout == HUB and gate_up_shape[1] != gate_up_shape[2]:
-            gate_up = gate_up.transpose(1, 2)
-        if layout == HUB and down_shape[1] != down_shape[2]:
-            down = down.transpose(1, 2)
-        out[pre + _FUSED_GATE_UP], out[pre + _FUSED_DOWN] = gate_up, down
+        if experts[0] + "gate_proj.weight" in out:
+            gate_up = torch.stack([torch.cat([out.pop(p + "gate_proj.weight"), out.pop(p + "up_proj.weight")])
+                                   for p in experts])
+            hub = layout == HUB and gate_up_shape[1] != gate_up_shape[2]
+            out[pre + _FUSED_GATE_UP] = gate_up.transpose(1, 2) if hub else gate_up
+        if experts[0] + "down_proj.weight" in out:
+            down = torch.stack([out.pop(p + "down_proj.weight") for p in experts])
+            hub = layout == HUB and down_shape[1] != down_shape[2]
+            out[pre + _FUSED_DOWN] = down.transpose(1, 2) if hub else down
 
 
 def _renamed(state: Mapping[str, Tensor], old: str, new: str) -> dict[str, Tensor]:
@@ -179,6 +185,45 @@ def text_native_to_hf(native: Mapping[str, Tensor], cfg: DenseModelConfig, prefi
     if _fused_moe(cfg):
         _fuse_experts(out, cfg, prefix, experts_layout)
     return out
+
+
+def text_native_to_hf_key(key: str, tensor: Tensor, cfg: DenseModelConfig, prefix: str = TEXT_PREFIX,
+                          experts_layout: ExpertsLayout = HUB) -> dict[str, Tensor]:
+    """The HF tensors of one native foundation tensor ``key`` (:func:`text_native_to_hf` one key at a time, for a
+    converter that streams: Qwen3-VL-MoE's ``linear_fc1`` gives every layer's fused ``gate_up_proj``,
+    ``linear_fc2`` its ``down_proj``). They may be views of ``tensor``."""
+    out = _renamed(native_to_hf_key(key, tensor, cfg), "model.", prefix)
+    if _fused_moe(cfg):
+        _fuse_experts(out, cfg, prefix, experts_layout)
+    return out
+
+
+def text_taker(take: Callable[[str], Tensor], cfg: DenseModelConfig,
+               prefix: str = TEXT_PREFIX) -> Callable[[str], Tensor]:
+    """``take`` for loong-llm's per-key mapping (:func:`loong.llm.models.hf_mapping.hf_to_native_key`, which asks
+    for a causal LM's names, ``model.*`` and ``lm_head.weight``) over ``take(name)``, which reads a VLM's text
+    tensor by its in-memory name. Qwen3-VL-MoE's per-expert weights are cut from their layer's fused tensor, in
+    either layout; the last fused tensor read is kept, since a layer's experts are asked for one after another."""
+    gate_up_shape, down_shape = _expert_shapes(cfg) if _fused_moe(cfg) else ((), ())
+    last: dict[str, Tensor] = {}
+
+    def text_take(name: str) -> Tensor:
+        m = _EXPERT_WEIGHT.fullmatch(name) if _fused_moe(cfg) else None
+        if m is None:
+            return take(prefix + name[len("model."):] if name.startswith("model.") else name)
+        layer, expert, which = m.group(1), int(m.group(2)), m.group(3)
+        fused = f"{prefix}layers.{layer}.{_FUSED_DOWN if which == 'down' else _FUSED_GATE_UP}"
+        if fused not in last:
+            last.clear()
+            t = take(fused)
+            if _fused_layout(t, down_shape if which == "down" else gate_up_shape, fused) == HUB:
+                t = t.transpose(1, 2)
+            last[fused] = t
+        t = last[fused][expert]
+        f = cfg.expert_ffn_hidden_size
+        return t if which == "down" else t[:f] if which == "gate" else t[f:]
+
+    return text_take
 
 
 # --- config ----------------------------------------------------------------------------------------
@@ -271,5 +316,5 @@ def hf_text_config(text: VLMTextConfig, dtype: str = "bfloat16") -> dict[str, An
 __all__ = [
     "ARCHITECTURES", "HUB", "LEGACY_TEXT_PREFIX", "LM_HEAD", "TEXT_PREFIX", "TRANSFORMERS5", "VLMTextConfig",
     "architecture_of", "experts_layout_of", "hf_text_config", "select_text", "text_config_from_hf",
-    "text_hf_to_native", "text_native_to_hf", "text_prefix_of",
+    "text_hf_to_native", "text_native_to_hf", "text_native_to_hf_key", "text_prefix_of", "text_taker",
 ]

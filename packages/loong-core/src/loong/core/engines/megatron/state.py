@@ -8,7 +8,9 @@ gathers a PP=2 model's gradients for a parity test.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable, Mapping
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -60,6 +62,56 @@ def load_full_state(model_chunks: Iterable[torch.nn.Module], full: Mapping[str, 
         if tuple(src.shape) != tuple(st.global_shape):
             raise LoongError(f"{st.key}: shape {tuple(src.shape)} != expected {tuple(st.global_shape)}")
         st.data.copy_(src[_index(st)].to(dtype=st.data.dtype, device=st.data.device))
+
+
+@torch.no_grad()
+def load_state_by_key(model_chunks: Iterable[torch.nn.Module], shapes: Mapping[str, tuple[int, ...]],
+                      build: Callable[[str, int | None], torch.Tensor],
+                      stacked: Callable[[str], bool] = lambda key: False,
+                      progress: Any = None) -> None:
+    """Copy whole tensors into this rank's slices of the model, each built when needed by ``build(key, layer)``:
+    :func:`load_full_state` for a converter that streams, holding one native tensor at a time instead of all.
+
+    ``shapes``: every native key's whole shape (the model may hold no tensor other than these). A key ``stacked``
+    (layers on its leading axis) is built one layer at a time (``build(key, layer)`` returns ``tensor[layer]``),
+    so even a layer-stacked tensor is never assembled; others as ``build(key, None)``. Keys and layers this rank
+    holds no slice of are not built. ``progress``: a ``(bar, task)`` advanced by each tensor's elements (as
+    :func:`~loong.core.checkpoint.safetensors_io.write_shards` takes it).
+    """
+    by_key: dict[str, list[ShardedTensor]] = {}
+    for st in sharded_tensors(model_chunks):
+        by_key.setdefault(st.key, []).append(st)
+    unknown = sorted(set(by_key) - set(shapes))
+    if unknown:
+        raise LoongError(f"the model has tensors the mapping does not fill, e.g. {unknown[:3]}")
+
+    def copy(st: ShardedTensor, part: torch.Tensor, first: int) -> None:
+        p = st.prepend_axis_num  # leading axes indexed by an integer (layer, expert, ...); the rest are slices
+        idx = tuple(st.global_offset[first:p]) + tuple(
+            slice(o, o + n) for o, n in zip(st.global_offset[p:], st.local_shape, strict=True))
+        st.data.copy_(part[idx].to(st.data.dtype))
+
+    for key, shape in shapes.items():
+        if progress is not None:
+            progress[0].update(progress[1], name=key)
+        held = by_key.get(key, [])
+        if stacked(key):
+            for layer in range(shape[0]):
+                mine = [st for st in held if st.global_offset[0] == layer]
+                if mine:
+                    part = build(key, layer)
+                    for st in mine:
+                        copy(st, part, 1)
+                    del part
+        elif held:
+            tensor = build(key, None)
+            if tuple(tensor.shape) != tuple(shape):
+                raise LoongError(f"{key}: shape {tuple(tensor.shape)} != expected {tuple(shape)}")
+            for st in held:
+                copy(st, tensor, 0)
+            del tensor
+        if progress is not None:
+            progress[0].advance(progress[1], math.prod(shape))
 
 
 def _view_on(tensor: torch.Tensor, base: torch.Tensor, other: torch.Tensor) -> torch.Tensor:

@@ -96,6 +96,12 @@ def _rules(enc_cfg: EncoderConfig, proj_cfg: ProjectorConfig | None) -> tuple[li
     return rules, fused
 
 
+def key_rules(enc_cfg: EncoderConfig, proj_cfg: ProjectorConfig | None
+              ) -> tuple[list[KeyRule], dict[str, list[str]]]:
+    """``(rules, fused)`` of :func:`_rules`, for a converter that maps one tensor (or fused qkv group) at a time."""
+    return _rules(enc_cfg, proj_cfg)
+
+
 def hf_to_native(hf_state: Mapping[str, torch.Tensor], enc_cfg: EncoderConfig,
                  proj_cfg: ProjectorConfig | None) -> dict[str, torch.Tensor]:
     """HF vision-side tensors (keys relative to ``model.``; ``proj_cfg=None``: the vision tower alone) -> native
@@ -232,4 +238,4 @@ def hf_projector_config(proj_cfg: ProjectorConfig, enc_cfg: EncoderConfig) -> di
 
 
 __all__ = ["HF_ENCODER_PREFIX", "HF_PROJECTOR_PREFIX", "enc_cfg_from_hf", "hf_projector_config", "hf_to_native",
-           "hf_vision_config", "native_to_hf", "proj_cfg_from_hf"]
+           "hf_vision_config", "key_rules", "native_to_hf", "proj_cfg_from_hf"]
