@@ -3,8 +3,8 @@
 An HF folder becomes a weights-only Loong checkpoint (layout-independent: train it at any TP/PP with
 ``train.resume=DST``); a Loong checkpoint becomes an HF folder that ``from_pretrained`` loads.
 
-Both directions stream one native tensor at a time (the dense and Qwen3-MoE families; see docs/convert.md for the
-memory bound). HF side: ``safe_open`` reads one tensor at a time from ``model.safetensors`` or the shards of
+Both directions stream one native tensor at a time, for every family (DeepSeek-V3/V3.2 included) and with
+``--merge-lora`` (each tensor's adapters are read and merged with it); see docs/checkpoints.md for the memory bound. HF side: ``safe_open`` reads one tensor at a time from ``model.safetensors`` or the shards of
 ``model.safetensors.index.json``, and :class:`~loong.llm.hf_io.ShardWriter` writes shards of at most
 ``max_shard_size`` as they fill. Loong side: tensors are read one at a time from the torch-DCP files megatron-core
 writes; writing needs megatron-core's own save of a built model (its ``_extra_state`` objects and common state go
@@ -34,9 +34,7 @@ from loong.llm.models.hf_mapping import (
     ignored_hf_key,
     is_stacked,
     native_shapes,
-    native_to_hf,
     native_to_hf_key,
-    streams,
 )
 
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
@@ -141,14 +139,13 @@ def hf_to_loong(src: Path, dst: Path, dtype: str = "auto", progress: bool = Fals
     from loong.core.accelerators import select_accelerator
     from loong.core.config.schema import ParallelConfig, to_dict
     from loong.core.engines.megatron.layout import init_distributed, shutdown_distributed
-    from loong.llm.hf import load_hf_into, model_config_from_hf
+    from loong.llm.hf import model_config_from_hf
     from loong.llm.models.build import build_gpt_model, transformer_config
     from loong.llm.schema import LLMRunConfig
 
     model_cfg = model_config_from_hf(src)
     hf = HFTensors(src)
-    if streams(model_cfg):
-        _check_hf(hf, model_cfg)  # names and shapes from the headers: fail before building anything
+    _check_hf(hf, model_cfg)  # names and shapes from the headers: fail before building anything
     torch_dtype = convert_dtype(dtype, [hf.meta(k)[1] for k in hf.keys()], str(src))
     accelerator = select_accelerator("cpu")
     with accelerator.activate():
@@ -159,10 +156,7 @@ def hf_to_loong(src: Path, dst: Path, dtype: str = "auto", progress: bool = Fals
             config = transformer_config(model_cfg, ParallelConfig(), torch_dtype, overrides)
             model = build_gpt_model(model_cfg, config, accelerator.capabilities(), True, True,
                                     layout.pg_collection)
-            if streams(model_cfg):
-                _fill(model, hf, model_cfg, progress)
-            else:  # DeepSeek-V3/V3.2: the mapping needs the whole state dict
-                load_hf_into([model], src, model_cfg)
+            _fill(model, hf, model_cfg, progress)
             run_cfg = LLMRunConfig(model=model_cfg, run_name=dst.name, output_dir=str(dst.parent))
 
             def artifacts(step_dir: Path) -> None:
@@ -183,11 +177,11 @@ def hf_to_loong(src: Path, dst: Path, dtype: str = "auto", progress: bool = Fals
 
 
 def _checkpoint_native(step_dir: Path, cfg: DenseModelConfig, merge_lora: bool
-                       ) -> tuple[list[str], Callable[[str], torch.Tensor], dict[str, torch.Tensor] | None]:
-    """(native keys, ``get(key)``, whole tensors or None) of a checkpoint: streamed from the DCP files when the
-    family maps tensor by tensor and there are no LoRA adapters to merge, else read whole."""
-    from loong.llm.checkpoint_init import read_model_weights
-    from loong.llm.lora import is_adapter_key
+                       ) -> tuple[list[str], Callable[[str], torch.Tensor]]:
+    """(native keys, ``get(key)``) of a checkpoint, each tensor read alone from the DCP files when asked for; with
+    LoRA adapters (``merge_lora``), ``get`` reads a weight's adapters with it and returns ``W + alpha/rank·B@A``."""
+    from loong.llm.lora import A_SUFFIX, B_SUFFIX, is_adapter_key
+    from loong.llm.lora import merge_lora as merge
 
     wanted = native_shapes(cfg)
     reader = CheckpointTensors(step_dir)
@@ -195,25 +189,40 @@ def _checkpoint_native(step_dir: Path, cfg: DenseModelConfig, merge_lora: bool
     if adapters and not merge_lora:
         raise LoongError(f"{step_dir} is a LoRA checkpoint ({len(adapters)} adapter tensors, model.lora.rank="
                          f"{cfg.lora.rank}); pass --merge-lora to merge the adapters into the Hugging Face weights")
-    if adapters or not streams(cfg):
-        _, native, _ = read_model_weights(step_dir, merge_lora=merge_lora, key=None)
-        return list(wanted), native.__getitem__, native
+    # weight key -> its (A, B) keys; a lone adapter or one of no model weight is refused before anything is written
+    adapted: dict[str, tuple[str, str]] = {}
+    for key_a in (k for k in adapters if k.endswith(A_SUFFIX)):
+        stem = key_a[: -len(A_SUFFIX)]
+        key_b, key_w = stem + B_SUFFIX, stem + ".weight"
+        if key_b not in reader.meta or key_w not in wanted:
+            raise LoongError(f"{step_dir}: {key_a} has no matching {key_b if key_b not in reader.meta else key_w} "
+                             "to merge into")
+        adapted[key_w] = (key_a, key_b)
+    lone = sorted(k for k in adapters if k.endswith(B_SUFFIX) and k[: -len(B_SUFFIX)] + ".weight" not in adapted)
+    if lone:
+        raise LoongError(f"{step_dir}: {lone[0]} has no matching {lone[0][: -len(B_SUFFIX)]}{A_SUFFIX} to merge")
     missing = sorted(set(wanted) - set(reader.meta))
     if missing:
         raise LoongError(f"{step_dir} lacks model tensors {missing[:3]} for its config")
     for key, shape in wanted.items():
         if reader.meta[key][0] != shape:
             raise LoongError(f"{step_dir}: {key} has shape {reader.meta[key][0]}, its config implies {shape}")
-    return list(wanted), reader.get, None
+
+    def get(key: str) -> torch.Tensor:
+        if key not in adapted:
+            return reader.get(key)
+        a, b = adapted[key]
+        try:
+            return merge({key: reader.get(key), a: reader.get(a), b: reader.get(b)}, cfg.lora)[key]
+        except LoongError as exc:  # the shapes do not fit: name the checkpoint
+            raise LoongError(f"{step_dir}: {exc}") from None
+
+    return list(wanted), get
 
 
-def _hf_tensors_of(keys: list[str], get: Callable[[str], torch.Tensor], whole: dict[str, torch.Tensor] | None,
+def _hf_tensors_of(keys: list[str], get: Callable[[str], torch.Tensor],
                    cfg: DenseModelConfig) -> Iterator[tuple[str, str, torch.Tensor]]:
-    """(native key, HF name, HF tensor) in order, one native tensor in memory at a time when streaming."""
-    if whole is not None:
-        for name, tensor in native_to_hf(whole, cfg).items():
-            yield "", name, tensor
-        return
+    """(native key, HF name, HF tensor) in order, one native tensor in memory at a time."""
     for key in keys:
         for name, tensor in native_to_hf_key(key, get(key), cfg).items():
             yield key, name, tensor
@@ -230,14 +239,14 @@ def loong_to_hf(src: Path, dst: Path, dtype: str = "auto", merge_lora: bool = Fa
 
     step_dir = resolve_checkpoint(src)
     cfg = checkpoint_model_config(step_dir, key=None)
-    keys, get, whole = _checkpoint_native(step_dir, cfg, merge_lora)
-    saved = whole[keys[0]].dtype if whole is not None else CheckpointTensors(step_dir).meta[keys[0]][1]
+    keys, get = _checkpoint_native(step_dir, cfg, merge_lora)
+    saved = CheckpointTensors(step_dir).meta[keys[0]][1]
     out_dtype = convert_dtype(dtype, [saved], str(step_dir))
     writer = ShardWriter(dst, max_shard_bytes)
     total = sum(math.prod(s) for s in native_shapes(cfg).values())
     with progress_bar(progress, "convert") as bar:
         task = bar.add_task("convert", total=total, name="")
-        for _, name, tensor in _hf_tensors_of(keys, get, whole, cfg):
+        for _, name, tensor in _hf_tensors_of(keys, get, cfg):
             bar.update(task, name=name)
             writer.add(name, tensor.to(out_dtype))
             bar.advance(task, tensor.numel())
@@ -262,15 +271,15 @@ def verify(hf_folder: str | Path, checkpoint: str | Path, into: str, merge_lora:
     from loong.llm.checkpoint_init import checkpoint_model_config
 
     cfg = checkpoint_model_config(step_dir, key=None)
-    keys, get, whole = _checkpoint_native(step_dir, cfg, merge_lora)
+    keys, get = _checkpoint_native(step_dir, cfg, merge_lora)
     seen: set[str] = set()
     count = numel = 0
     dtypes: set[tuple[str, str]] = set()
     with progress_bar(progress, "verify") as bar:
         task = bar.add_task("verify", total=sum(math.prod(s) for s in native_shapes(cfg).values()), name="")
-        for native_key, name, ours in _hf_tensors_of(keys, get, whole, cfg):
+        for native_key, name, ours in _hf_tensors_of(keys, get, cfg):
             bar.update(task, name=name)
-            where = f"{name} (native {native_key})" if native_key else name
+            where = f"{name} (native {native_key})"
             if name not in hf:
                 raise VerifyError(f"verify: {hf.folder} has no tensor {where}")
             theirs = hf.get(name)

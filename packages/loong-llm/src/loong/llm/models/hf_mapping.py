@@ -1,5 +1,7 @@
-"""Hugging Face <-> Loong weights for the dense and Qwen3-MoE families (DeepSeek-V3/V3.2: ``deepseek_v3/mapping.py``):
-pure tensor rearrangement, dtypes kept.
+"""Hugging Face <-> Loong weights, one native tensor at a time (:func:`hf_to_native_key`, :func:`native_to_hf_key`)
+or a whole state dict (:func:`hf_to_native`, :func:`native_to_hf`: the same mapping key by key): pure tensor
+rearrangement, dtypes kept. The dense and Qwen3-MoE families are mapped here; DeepSeek-V3/V3.2 (multi-latent
+attention, per-layer keys) in ``deepseek_v3/mapping.py``.
 
 Loong's side is keyed like :func:`loong.core.engines.megatron.state.gather_full_state` (megatron sharded keys, layers
 stacked on a leading axis). The mapping is exactly invertible: HF -> Loong -> HF is bit-exact.
@@ -47,15 +49,17 @@ _QK_NORM = (
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
+def _mla_mapping() -> Any:
+    """DeepSeek-V3/V3.2's per-key mapping module (V3.2's indexers included; imported when first needed)."""
+    from loong.llm.models.deepseek_v3 import mapping
+
+    return mapping
+
+
 def native_shapes(cfg: DenseModelConfig) -> dict[str, tuple[int, ...]]:
     """The whole-tensor shape of every native key for ``cfg``."""
     if cfg.is_mla:  # DeepSeek-V3 / V3.2: per-layer keys, their own mapping
-        if cfg.is_dsa:  # DeepSeek-V3.2: V3's tensors plus the lightning indexers'
-            from loong.llm.models.deepseek_v32 import mapping
-        else:
-            from loong.llm.models.deepseek_v3 import mapping
-
-        return mapping.native_shapes(cfg)
+        return _mla_mapping().native_shapes(cfg)
     n, d, f, v, hd = cfg.num_layers, cfg.hidden_size, cfg.ffn_hidden_size, cfg.vocab_size, cfg.kv_channels
     q, qkv = cfg.num_attention_heads * hd, (cfg.num_attention_heads + 2 * cfg.num_query_groups) * hd
     shapes = {
@@ -130,29 +134,28 @@ def _qkv_keys(cfg: DenseModelConfig) -> tuple[tuple[str, str], ...]:
     return (("weight", _QKV_W), ("bias", _QKV_B)) if cfg.qkv_bias else (("weight", _QKV_W),)
 
 
-def streams(cfg: DenseModelConfig) -> bool:
-    """Whether ``cfg``'s family maps one native tensor at a time (:func:`hf_to_native_key`,
-    :func:`native_to_hf_key`); DeepSeek-V3/V3.2's mapping converts whole state dicts only."""
-    return not cfg.is_mla
-
-
 def ignored_hf_key(key: str) -> bool:
     """An HF tensor that carries no weights (old checkpoints saved the RoPE buffer)."""
     return key.endswith(_IGNORED_SUFFIXES)
 
 
 def is_stacked(key: str) -> bool:
-    """Whether native tensor ``key`` stacks the decoder layers on its leading axis."""
-    return key.startswith(_L)
+    """Whether native tensor ``key`` stacks the decoder layers on its leading axis (DeepSeek-V3's per-layer keys,
+    ``decoder.layers.{i}.…``, do not)."""
+    return key.startswith(_L) and not key[len(_L):len(_L) + 1].isdigit()
 
 
 def hf_to_native_key(key: str, take: Callable[[str], Tensor], cfg: DenseModelConfig,
                      layer: int | None = None) -> Tensor:
-    """The native tensor ``key`` built from the HF tensors ``take(name)`` returns (dense and Qwen3-MoE families);
-    with ``layer`` (a key :func:`is_stacked`), only that layer's slice ``[layer]``.
+    """The native tensor ``key`` built from the HF tensors ``take(name)`` returns; with ``layer`` (a key
+    :func:`is_stacked`), only that layer's slice ``[layer]``.
 
     Only the HF tensors asked for are read, so a converter can hold one native tensor (or layer slice) at a time.
     """
+    if cfg.is_mla:
+        if layer is not None:
+            raise LoongError(f"{key}: a {cfg.family} model's native tensors are per layer, not stacked")
+        return _mla_mapping().hf_to_native_key(key, take, cfg)
     n = cfg.num_layers
     layers = range(n) if layer is None else (layer,)
 
@@ -199,13 +202,16 @@ def hf_to_native_key(key: str, take: Callable[[str], Tensor], cfg: DenseModelCon
 
 
 def extra_hf_keys(hf_keys: Iterable[str], used: set[str], cfg: DenseModelConfig) -> None:
-    """Raise LoongError when HF tensors other than ``used`` (and the ignored / tied-alias ones) are present."""
-    extra = sorted(k for k in hf_keys if k not in used and not ignored_hf_key(k)
+    """Raise LoongError when HF tensors other than ``used`` (and the ignored / alias ones) are present."""
+    aliases = _mla_mapping().hf_aliases(cfg) if cfg.is_mla else set()  # the MTP modules' embedding/head copies
+    extra = sorted(k for k in hf_keys if k not in used and not ignored_hf_key(k) and k not in aliases
                    and not (cfg.tie_word_embeddings and k == "lm_head.weight"))  # transformers lists the tied alias
     if extra:
+        hint = ("num_hidden_layers, num_nextn_predict_layers" if cfg.is_mla
+                else "num_hidden_layers, attention_bias, tie_word_embeddings")
         raise LoongError(
             f"Hugging Face checkpoint has {len(extra)} tensors that a {cfg.family} model with this config "
-            f"does not have, e.g. {extra[:3]} (check num_hidden_layers, attention_bias, tie_word_embeddings)"
+            f"does not have, e.g. {extra[:3]} (check {hint})"
         )
 
 
@@ -215,13 +221,6 @@ def hf_to_native(hf_state: Mapping[str, Tensor], cfg: DenseModelConfig) -> dict[
     Raises LoongError for missing tensors, unexpected ones (e.g. a bias the family does not have) and
     shapes that do not match ``cfg``.
     """
-    if cfg.is_mla:
-        if cfg.is_dsa:  # DeepSeek-V3.2: V3's tensors plus the lightning indexers'
-            from loong.llm.models.deepseek_v32 import mapping
-        else:
-            from loong.llm.models.deepseek_v3 import mapping
-
-        return mapping.hf_to_native(hf_state, cfg)
     used: set[str] = set()
 
     def take(key: str) -> Tensor:
@@ -237,7 +236,9 @@ def hf_to_native(hf_state: Mapping[str, Tensor], cfg: DenseModelConfig) -> dict[
 
 
 def native_to_hf_key(key: str, tensor: Tensor, cfg: DenseModelConfig) -> dict[str, Tensor]:
-    """The HF tensors of one native tensor (dense and Qwen3-MoE families); they may be views of ``tensor``."""
+    """The HF tensors of one native tensor; they may be views of ``tensor``."""
+    if cfg.is_mla:
+        return _mla_mapping().native_to_hf_key(key, tensor, cfg)
     single = {_EMB: "model.embed_tokens.weight", _FINAL: "model.norm.weight", _OUT: "lm_head.weight"}
     if key in single:
         return {single[key]: tensor}
@@ -269,13 +270,6 @@ def native_to_hf_key(key: str, tensor: Tensor, cfg: DenseModelConfig) -> dict[st
 
 def native_to_hf(native: Mapping[str, Tensor], cfg: DenseModelConfig) -> dict[str, Tensor]:
     """Inverse of :func:`hf_to_native`. Returned tensors may be views of ``native``'s tensors."""
-    if cfg.is_mla:
-        if cfg.is_dsa:  # DeepSeek-V3.2: V3's tensors plus the lightning indexers'
-            from loong.llm.models.deepseek_v32 import mapping
-        else:
-            from loong.llm.models.deepseek_v3 import mapping
-
-        return mapping.native_to_hf(native, cfg)
     _check_shapes(native, cfg, "Loong model state")
     out: dict[str, Tensor] = {}
     for key in native_shapes(cfg):

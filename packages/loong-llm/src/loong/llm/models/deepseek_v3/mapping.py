@@ -1,19 +1,27 @@
-"""Hugging Face <-> Loong tensors for DeepSeek-V3 / V3.2: pure renaming and (gate, up) fusion, dtypes kept.
+"""Hugging Face <-> Loong tensors for DeepSeek-V3 / V3.2, one native tensor at a time: pure renaming, (gate, up)
+fusion and expert stacking, dtypes kept.
 
 megatron keys a model with dense and MoE layers per layer (``decoder.layers.{i}.…``, its ``moe_layer_freq``
-list makes the layers non-homogeneous), so nothing is stacked. MLA's projections map one to one:
+list makes the layers non-homogeneous), so nothing is stacked over layers. MLA's projections map one to one:
 ``q_a_proj``/``q_b_proj``/``kv_a_proj_with_mqa``/``kv_b_proj`` are megatron's ``linear_q_down_proj`` /
 ``linear_q_up_proj`` / ``linear_kv_down_proj`` / ``linear_kv_up_proj`` with the same row order (per head
 ``[nope, rope]`` queries and ``[k_nope, v]`` latent up-projections). The router's ``e_score_correction_bias``
-is megatron's ``expert_bias`` buffer. Multi-token-prediction module ``j`` is HF's ``model.layers.{L + j}`` (as
-DeepSeek releases it): ``enorm``, ``hnorm``, ``eh_proj``, ``shared_head.norm`` (megatron's ``final_layernorm``), a
-decoder layer, and copies of the embedding and output head (``embed_tokens``, ``shared_head.head``) that megatron
-shares with the main model — written on export, dropped (they are the same tensors) on import.
+is megatron's ``expert_bias`` buffer; a MoE layer's routed experts are one native tensor per projection,
+``[experts, …]`` (fc1 rows ``cat(gate, up)``). Multi-token-prediction module ``j`` is HF's ``model.layers.{L + j}``
+(as DeepSeek releases it): ``enorm``, ``hnorm``, ``eh_proj``, ``shared_head.norm`` (megatron's
+``final_layernorm``), a decoder layer, and copies of the embedding and output head (``embed_tokens``,
+``shared_head.head``) that megatron shares with the main model — written on export, not read (they are the same
+tensors) on import. DeepSeek-V3.2 adds each layer's lightning indexer (:mod:`..deepseek_v32.mapping`).
+
+The mapping is declared once, as a :data:`Rule` per native key (its shape, how its HF tensors combine, their
+names); :func:`hf_to_native_key` and :func:`native_to_hf_key` both follow it, so a converter can hold one native
+tensor at a time. The whole-state-dict functions are ``loong.llm.models.hf_mapping``'s, key by key.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+import re
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -23,26 +31,66 @@ from loong.llm.models.config import DenseModelConfig
 Tensor = torch.Tensor
 
 _EMB, _FINAL, _OUT = "embedding.word_embeddings.weight", "decoder.final_layernorm.weight", "output_layer.weight"
+# How a native tensor's HF tensors combine: one tensor; the same tensor under several names (the MTP copies: the
+# first is read on import, every one written on export); cat(gate, up); per expert cat(gate, up), stacked; stacked.
+ONE, COPIES, GATE_UP, EXPERTS_GATE_UP, EXPERTS = "one", "copies", "gate_up", "experts_gate_up", "experts"
+Rule = tuple[tuple[int, ...], str, tuple[str, ...]]
+"""(the native tensor's shape, how its HF tensors combine, their names in order)."""
+
+_MTP_PAIRS = (("enorm.weight", "enorm.weight"), ("hnorm.weight", "hnorm.weight"),
+              ("eh_proj.weight", "eh_proj.weight"), ("final_layernorm.weight", "shared_head.norm.weight"))
+_LAYER_KEY = re.compile(r"(decoder\.layers\.(\d+)\.|mtp\.layers\.(\d+)\.transformer_layer\.)(.+)")
+_MTP_KEY = re.compile(r"mtp\.layers\.(\d+)\.(.+)")
 
 
-def _attention_pairs(cfg: DenseModelConfig) -> list[tuple[str, str]]:
-    """(native suffix, HF suffix) of one layer's attention and norms."""
-    a = "self_attention."
-    pairs = [
-        ("input_layernorm.weight", "input_layernorm.weight"),
-        ("pre_mlp_layernorm.weight", "post_attention_layernorm.weight"),
-        (a + "linear_kv_down_proj.weight", "self_attn.kv_a_proj_with_mqa.weight"),
-        (a + "kv_layernorm.weight", "self_attn.kv_a_layernorm.weight"),
-        (a + "linear_kv_up_proj.weight", "self_attn.kv_b_proj.weight"),
-        (a + "linear_proj.weight", "self_attn.o_proj.weight"),
-    ]
-    if cfg.q_lora_rank is None:
-        pairs.append((a + "linear_q_proj.weight", "self_attn.q_proj.weight"))
+def _layer_rules(cfg: DenseModelConfig, is_moe: bool) -> dict[str, Rule]:
+    """native suffix -> rule (HF suffixes) of one decoder layer: attention and norms, its MLP, V3.2's indexer."""
+    d, h = cfg.hidden_size, cfg.num_attention_heads
+    c, rope, nope, vd = cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.qk_nope_head_dim, cfg.v_head_dim
+    assert c is not None
+    a, sa = "self_attention.", "self_attn."
+    rules: dict[str, Rule] = {
+        "input_layernorm.weight": ((d,), ONE, ("input_layernorm.weight",)),
+        "pre_mlp_layernorm.weight": ((d,), ONE, ("post_attention_layernorm.weight",)),
+        a + "linear_kv_down_proj.weight": ((c + rope, d), ONE, (sa + "kv_a_proj_with_mqa.weight",)),
+        a + "kv_layernorm.weight": ((c,), ONE, (sa + "kv_a_layernorm.weight",)),
+        a + "linear_kv_up_proj.weight": ((h * (nope + vd), c), ONE, (sa + "kv_b_proj.weight",)),
+        a + "linear_proj.weight": ((d, h * vd), ONE, (sa + "o_proj.weight",)),
+    }
+    r = cfg.q_lora_rank
+    if r is None:
+        rules[a + "linear_q_proj.weight"] = ((h * (nope + rope), d), ONE, (sa + "q_proj.weight",))
     else:
-        pairs += [(a + "linear_q_down_proj.weight", "self_attn.q_a_proj.weight"),
-                  (a + "q_layernorm.weight", "self_attn.q_a_layernorm.weight"),
-                  (a + "linear_q_up_proj.weight", "self_attn.q_b_proj.weight")]
-    return pairs
+        rules.update({a + "linear_q_down_proj.weight": ((r, d), ONE, (sa + "q_a_proj.weight",)),
+                      a + "q_layernorm.weight": ((r,), ONE, (sa + "q_a_layernorm.weight",)),
+                      a + "linear_q_up_proj.weight": ((h * (nope + rope), r), ONE, (sa + "q_b_proj.weight",))})
+    if cfg.is_dsa:
+        from loong.llm.models.deepseek_v32.mapping import indexer_rules
+
+        rules.update(indexer_rules(cfg))
+    gate_up = ("gate_proj.weight", "up_proj.weight")
+    if not is_moe:
+        f = cfg.ffn_hidden_size
+        rules.update({"mlp.linear_fc1.weight": ((2 * f, d), GATE_UP, tuple("mlp." + p for p in gate_up)),
+                      "mlp.linear_fc2.weight": ((d, f), ONE, ("mlp.down_proj.weight",))})
+        return rules
+    fe, e = cfg.expert_ffn_hidden_size, cfg.num_experts or 0
+    ex = [f"mlp.experts.{i}." for i in range(e)]
+    rules.update({
+        "mlp.router.weight": ((e, d), ONE, ("mlp.gate.weight",)),
+        "mlp.router.expert_bias": ((e,), ONE, ("mlp.gate.e_score_correction_bias",)),
+        "mlp.experts.experts.linear_fc1.weight": ((e, 2 * fe, d), EXPERTS_GATE_UP,
+                                                  tuple(p + s for p in ex for s in gate_up)),
+        "mlp.experts.experts.linear_fc2.weight": ((e, d, fe), EXPERTS, tuple(p + "down_proj.weight" for p in ex)),
+    })
+    if cfg.moe_shared_experts:
+        fs = cfg.moe_shared_experts * fe
+        rules.update({
+            "mlp.shared_experts.linear_fc1.weight": ((2 * fs, d), GATE_UP,
+                                                     tuple("mlp.shared_experts." + p for p in gate_up)),
+            "mlp.shared_experts.linear_fc2.weight": ((d, fs), ONE, ("mlp.shared_experts.down_proj.weight",)),
+        })
+    return rules
 
 
 def _layers(cfg: DenseModelConfig) -> Iterator[tuple[str, str, bool]]:
@@ -53,127 +101,92 @@ def _layers(cfg: DenseModelConfig) -> Iterator[tuple[str, str, bool]]:
         yield f"mtp.layers.{j}.transformer_layer.", f"model.layers.{cfg.num_layers + j}.", cfg.is_moe
 
 
-_MTP_PAIRS = (("enorm.weight", "enorm.weight"), ("hnorm.weight", "hnorm.weight"),
-              ("eh_proj.weight", "eh_proj.weight"), ("final_layernorm.weight", "shared_head.norm.weight"))
-_MTP_SHARED = ("embed_tokens.weight", "shared_head.head.weight")
+def _top_rules(cfg: DenseModelConfig) -> dict[str, Rule]:
+    """The embedding, final norm and output head (with the MTP modules' copies of the embedding and head)."""
+    d, v = cfg.hidden_size, cfg.vocab_size
+    mtp = [f"model.layers.{cfg.num_layers + j}." for j in range(cfg.mtp_num_layers)]
+    return {_EMB: ((v, d), COPIES, ("model.embed_tokens.weight", *(p + "embed_tokens.weight" for p in mtp))),
+            _FINAL: ((d,), ONE, ("model.norm.weight",)),
+            _OUT: ((v, d), COPIES, ("lm_head.weight", *(p + "shared_head.head.weight" for p in mtp)))}
+
+
+def _mtp_rules(cfg: DenseModelConfig, j: int) -> dict[str, Rule]:
+    """MTP module ``j``'s own tensors (its decoder layer is one of :func:`_layers`)."""
+    d, hf = cfg.hidden_size, f"model.layers.{cfg.num_layers + j}."
+    shapes = {"enorm.weight": (d,), "hnorm.weight": (d,), "eh_proj.weight": (d, 2 * d), "final_layernorm.weight": (d,)}
+    return {f"mtp.layers.{j}.{n}": (shapes[n], ONE, (hf + h,)) for n, h in _MTP_PAIRS}
+
+
+def rules(cfg: DenseModelConfig) -> dict[str, Rule]:
+    """Every native key's rule, in checkpoint order."""
+    out = _top_rules(cfg)
+    for native, hf, is_moe in _layers(cfg):
+        out.update({native + k: (s, how, tuple(hf + n for n in names))
+                    for k, (s, how, names) in _layer_rules(cfg, is_moe).items()})
+    for j in range(cfg.mtp_num_layers):
+        out.update(_mtp_rules(cfg, j))
+    return out
+
+
+def rule(key: str, cfg: DenseModelConfig) -> Rule:
+    """The rule of one native key, without building every key's (a converter asks once per key)."""
+    top = _top_rules(cfg)
+    if key in top:
+        return top[key]
+    m = _LAYER_KEY.fullmatch(key)
+    # decoder layer i < L, or MTP module j < mtp (HF's layer L + j)
+    if m and (int(m[2]) < cfg.num_layers if m[2] is not None else int(m[3]) < cfg.mtp_num_layers):
+        decoder = m[2] is not None
+        i = int(m[2]) if decoder else cfg.num_layers + int(m[3])
+        layer = _layer_rules(cfg, i >= cfg.num_dense_layers if decoder else cfg.is_moe)
+        if m[4] in layer:
+            s, how, names = layer[m[4]]
+            return s, how, tuple(f"model.layers.{i}.{n}" for n in names)
+    m = _MTP_KEY.fullmatch(key)
+    if m and int(m[1]) < cfg.mtp_num_layers:
+        own = _mtp_rules(cfg, int(m[1]))
+        if key in own:
+            return own[key]
+    raise LoongError(f"a {cfg.family} model with this config has no native tensor {key}")
 
 
 def native_shapes(cfg: DenseModelConfig) -> dict[str, tuple[int, ...]]:
     """The whole-tensor shape of every native key of a DeepSeek-V3 / V3.2 ``cfg``."""
-    d, v, h = cfg.hidden_size, cfg.vocab_size, cfg.num_attention_heads
-    c, rope, nope, vd = cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.qk_nope_head_dim, cfg.v_head_dim
-    assert c is not None
-    attn = {
-        "input_layernorm.weight": (d,),
-        "pre_mlp_layernorm.weight": (d,),
-        "self_attention.linear_kv_down_proj.weight": (c + rope, d),
-        "self_attention.kv_layernorm.weight": (c,),
-        "self_attention.linear_kv_up_proj.weight": (h * (nope + vd), c),
-        "self_attention.linear_proj.weight": (d, h * vd),
-    }
-    r = cfg.q_lora_rank
-    if r is None:
-        attn["self_attention.linear_q_proj.weight"] = (h * (nope + rope), d)
-    else:
-        attn.update({"self_attention.linear_q_down_proj.weight": (r, d), "self_attention.q_layernorm.weight": (r,),
-                     "self_attention.linear_q_up_proj.weight": (h * (nope + rope), r)})
-    if cfg.is_dsa:
-        # V3.2 goes through models/deepseek_v32/mapping.py, which adds the indexer's tensors around this one
-        raise LoongError("model.family=deepseek_v32: use loong.llm.models.deepseek_v32.mapping (DeepSeek-V3's "
-                         "mapping has no lightning-indexer tensors)")
-    f, fe, e = cfg.ffn_hidden_size, cfg.expert_ffn_hidden_size, cfg.num_experts or 0
-    dense = {"mlp.linear_fc1.weight": (2 * f, d), "mlp.linear_fc2.weight": (d, f)}
-    moe = {"mlp.router.weight": (e, d), "mlp.router.expert_bias": (e,),
-           "mlp.experts.experts.linear_fc1.weight": (e, 2 * fe, d), "mlp.experts.experts.linear_fc2.weight": (e, d, fe)}
-    if cfg.moe_shared_experts:
-        fs = cfg.moe_shared_experts * fe
-        moe.update({"mlp.shared_experts.linear_fc1.weight": (2 * fs, d), "mlp.shared_experts.linear_fc2.weight": (d, fs)})
-    shapes: dict[str, tuple[int, ...]] = {_EMB: (v, d), _FINAL: (d,), _OUT: (v, d)}
-    for native, _, is_moe in _layers(cfg):
-        shapes.update({native + k: s for k, s in {**attn, **(moe if is_moe else dense)}.items()})
-    for j in range(cfg.mtp_num_layers):
-        shapes.update({f"mtp.layers.{j}.{k}": (d,) for k in ("enorm.weight", "hnorm.weight", "final_layernorm.weight")})
-        shapes[f"mtp.layers.{j}.eh_proj.weight"] = (d, 2 * d)
-    return shapes
+    return {key: shape for key, (shape, _, _) in rules(cfg).items()}
 
 
-def hf_to_native(hf_state: Mapping[str, Tensor], cfg: DenseModelConfig) -> dict[str, Tensor]:
-    """HF tensors (``model.layers.{i}…``, MTP modules after the last layer) -> Loong's per-layer native tensors."""
-    src = {k: t for k, t in hf_state.items() if not k.endswith("rotary_emb.inv_freq")}
-
-    def take(key: str) -> Tensor:
-        if key not in src:
-            raise LoongError(f"Hugging Face checkpoint has no tensor {key}")
-        return src.pop(key)
-
-    out = {_EMB: take("model.embed_tokens.weight"), _FINAL: take("model.norm.weight"), _OUT: take("lm_head.weight")}
-    for native, hf, is_moe in _layers(cfg):
-        for n, h in _attention_pairs(cfg):
-            out[native + n] = take(hf + h)
-        if not is_moe:
-            out[native + "mlp.linear_fc1.weight"] = torch.cat([take(hf + "mlp.gate_proj.weight"),
-                                                               take(hf + "mlp.up_proj.weight")])
-            out[native + "mlp.linear_fc2.weight"] = take(hf + "mlp.down_proj.weight")
-            continue
-        out[native + "mlp.router.weight"] = take(hf + "mlp.gate.weight")
-        out[native + "mlp.router.expert_bias"] = take(hf + "mlp.gate.e_score_correction_bias")
-        ex = [f"{hf}mlp.experts.{e}." for e in range(cfg.num_experts or 0)]
-        out[native + "mlp.experts.experts.linear_fc1.weight"] = torch.stack(
-            [torch.cat([take(p + "gate_proj.weight"), take(p + "up_proj.weight")]) for p in ex])
-        out[native + "mlp.experts.experts.linear_fc2.weight"] = torch.stack([take(p + "down_proj.weight") for p in ex])
-        if cfg.moe_shared_experts:
-            s = hf + "mlp.shared_experts."
-            out[native + "mlp.shared_experts.linear_fc1.weight"] = torch.cat([take(s + "gate_proj.weight"),
-                                                                              take(s + "up_proj.weight")])
-            out[native + "mlp.shared_experts.linear_fc2.weight"] = take(s + "down_proj.weight")
-    for j in range(cfg.mtp_num_layers):
-        hf = f"model.layers.{cfg.num_layers + j}."
-        for n, h in _MTP_PAIRS:
-            out[f"mtp.layers.{j}.{n}"] = take(hf + h)
-        for h in _MTP_SHARED:  # megatron's MTP uses the main model's embedding and output layer
-            src.pop(hf + h, None)
-    if src:
-        extra = sorted(src)
-        raise LoongError(f"Hugging Face checkpoint has {len(extra)} tensors that a {cfg.family} model with this "
-                         f"config does not have, e.g. {extra[:3]} (check num_hidden_layers, num_nextn_predict_layers)")
-    shapes = native_shapes(cfg)
-    for key, t in out.items():
-        if tuple(t.shape) != shapes[key]:
-            raise LoongError(f"Hugging Face checkpoint: {key} has shape {tuple(t.shape)}, the config implies "
-                             f"{shapes[key]}")
-    return out
+def hf_aliases(cfg: DenseModelConfig) -> set[str]:
+    """HF tensors that are copies of another (the MTP modules' embedding and head): allowed, never read."""
+    return {n for _, how, names in _top_rules(cfg).values() if how == COPIES for n in names[1:]}
 
 
-def native_to_hf(native: Mapping[str, Tensor], cfg: DenseModelConfig) -> dict[str, Tensor]:
-    """Inverse of :func:`hf_to_native`; MTP modules get their copies of the embedding and output head."""
-    for key, shape in native_shapes(cfg).items():
-        if key not in native:
-            raise LoongError(f"Loong checkpoint: missing {key}")
-        if tuple(native[key].shape) != shape:
-            raise LoongError(f"Loong checkpoint: {key} has shape {tuple(native[key].shape)}, the config implies {shape}")
-    out = {"model.embed_tokens.weight": native[_EMB], "model.norm.weight": native[_FINAL],
-           "lm_head.weight": native[_OUT]}
-    for nat, hf, is_moe in _layers(cfg):
-        for n, h in _attention_pairs(cfg):
-            out[hf + h] = native[nat + n]
-        if not is_moe:
-            out[hf + "mlp.gate_proj.weight"], out[hf + "mlp.up_proj.weight"] = native[nat + "mlp.linear_fc1.weight"].chunk(2)
-            out[hf + "mlp.down_proj.weight"] = native[nat + "mlp.linear_fc2.weight"]
-            continue
-        out[hf + "mlp.gate.weight"] = native[nat + "mlp.router.weight"]
-        out[hf + "mlp.gate.e_score_correction_bias"] = native[nat + "mlp.router.expert_bias"]
-        fc1, fc2 = native[nat + "mlp.experts.experts.linear_fc1.weight"], native[nat + "mlp.experts.experts.linear_fc2.weight"]
-        for e in range(cfg.num_experts or 0):
-            p = f"{hf}mlp.experts.{e}."
-            out[p + "gate_proj.weight"], out[p + "up_proj.weight"] = fc1[e].chunk(2)
-            out[p + "down_proj.weight"] = fc2[e]
-        if cfg.moe_shared_experts:
-            s = hf + "mlp.shared_experts."
-            out[s + "gate_proj.weight"], out[s + "up_proj.weight"] = native[nat + "mlp.shared_experts.linear_fc1.weight"].chunk(2)
-            out[s + "down_proj.weight"] = native[nat + "mlp.shared_experts.linear_fc2.weight"]
-    for j in range(cfg.mtp_num_layers):
-        hf = f"model.layers.{cfg.num_layers + j}."
-        for n, h in _MTP_PAIRS:
-            out[hf + h] = native[f"mtp.layers.{j}.{n}"]
-        out[hf + "embed_tokens.weight"], out[hf + "shared_head.head.weight"] = native[_EMB], native[_OUT]
-    return out
+def hf_to_native_key(key: str, take: Callable[[str], Tensor], cfg: DenseModelConfig) -> Tensor:
+    """The native tensor ``key`` built from the HF tensors ``take(name)`` returns (only its own are asked for)."""
+    _, how, names = rule(key, cfg)
+    parts = [take(n) for n in (names[:1] if how == COPIES else names)]
+    try:
+        if how in (ONE, COPIES):
+            return parts[0]
+        if how == GATE_UP:
+            return torch.cat(parts)
+        if how == EXPERTS:
+            return torch.stack(parts)
+        return torch.stack([torch.cat(parts[e:e + 2]) for e in range(0, len(parts), 2)])
+    except RuntimeError:  # torch's own message names no tensor
+        shapes = ", ".join(f"{n} {tuple(t.shape)}" for n, t in zip(names, parts, strict=True))
+        raise LoongError(f"Hugging Face tensors of {key} do not fit together: {shapes}") from None
+
+
+def native_to_hf_key(key: str, tensor: Tensor, cfg: DenseModelConfig) -> dict[str, Tensor]:
+    """The HF tensors of one native tensor (views of ``tensor``); the inverse of :func:`hf_to_native_key`."""
+    shape, how, names = rule(key, cfg)
+    if tuple(tensor.shape) != shape:
+        raise LoongError(f"Loong checkpoint: {key} has shape {tuple(tensor.shape)}, the config implies {shape}")
+    if how in (ONE, COPIES):
+        return dict.fromkeys(names, tensor)
+    if how == GATE_UP:
+        return dict(zip(names, tensor.chunk(2), strict=True))
+    if how == EXPERTS:
+        return dict(zip(names, tensor.unbind(0), strict=True))
+    halves = [h for e in tensor.unbind(0) for h in e.chunk(2)]
+    return dict(zip(names, halves, strict=True))
