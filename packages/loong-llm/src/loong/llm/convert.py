@@ -212,8 +212,14 @@ def _checkpoint_native(step_dir: Path, cfg: DenseModelConfig, merge_lora: bool
         if key not in adapted:
             return reader.get(key)
         a, b = adapted[key]
+        w, ta, tb = reader.get(key), reader.get(a), reader.get(b)
         try:
-            return merge({key: reader.get(key), a: reader.get(a), b: reader.get(b)}, cfg.lora)[key]
+            if is_stacked(key) and w.shape[:1] == ta.shape[:1] == tb.shape[:1]:
+                # one layer at a time, into the tensor just read: the merge's fp32 temporaries stay one layer's
+                for i in range(w.shape[0]):
+                    w[i] = merge({key: w[i], a: ta[i], b: tb[i]}, cfg.lora)[key]
+                return w
+            return merge({key: w, a: ta, b: tb}, cfg.lora)[key]
         except LoongError as exc:  # the shapes do not fit: name the checkpoint
             raise LoongError(f"{step_dir}: {exc}") from None
 
