@@ -13,13 +13,11 @@ copies DeepSeek releases), ``test_deepseek_v32``'s (the lightning indexers), the
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import pytest
 import torch
-from test_deepseek_v3 import build_tiny_deepseek_v3_hf
-from test_deepseek_v32 import _hf_model as build_tiny_v32
-from test_lora import _model, _random_adapters, _world
 
 from loong.core.checkpoint import resolve_checkpoint, safetensors_io
 from loong.core.errors import LoongError
@@ -37,6 +35,11 @@ from loong.llm.models.hf_mapping import (
     native_to_hf,
     native_to_hf_key,
 )
+
+sys.path.insert(0, str(Path(__file__).parent))
+from test_deepseek_v3 import build_tiny_deepseek_v3_hf  # noqa: E402  (same folder: the tiny models of those tests)
+from test_deepseek_v32 import _hf_model as build_tiny_v32  # noqa: E402
+from test_lora import _model, _random_adapters, _world  # noqa: E402
 
 pytestmark = pytest.mark.slow
 FAMILIES = ["deepseek_v3", "deepseek_v32"]
