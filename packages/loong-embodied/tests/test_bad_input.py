@@ -101,3 +101,17 @@ def test_a_broken_processor_file_is_named(tmp_path: Path, policy: str, processor
     (tmp_path / processor.PROCESSOR_FILE).write_text('{"state_dim": 2, ')
     with pytest.raises(LoongError, match=f"{tmp_path / processor.PROCESSOR_FILE}: not valid JSON"):
         getattr(processor, processor_class).load(tmp_path, config)
+
+
+@pytest.mark.parametrize("text", ['{"sources": [{"root": "/d", ', '{"datasets": []}', '{"sources": [{"root": "/d"}]}'],
+                         ids=["truncated", "no_sources_key", "entry_without_name"])
+def test_a_broken_sources_file_is_named(tmp_path: Path, text: str) -> None:
+    """A mix's ``sources.json`` cut mid-write or edited by hand: one line naming it (was: JSONDecodeError/KeyError)."""
+    from loong.core.errors import LoongError
+    from loong.embodied.data.normalize import SOURCES_FILE, read_sources, write_sources
+
+    write_sources(tmp_path, [{"root": "/d", "name": "d", "embodiment_id": 0}])
+    assert read_sources(tmp_path) == [{"root": "/d", "name": "d", "embodiment_id": 0}]
+    (tmp_path / SOURCES_FILE).write_text(text)
+    with pytest.raises(LoongError, match=f"{tmp_path / SOURCES_FILE}: "):
+        read_sources(tmp_path)

@@ -189,13 +189,20 @@ def write_sources(directory: Path, sources: list[dict[str, Any]]) -> None:
 
 
 def read_sources(directory: Path) -> list[dict[str, Any]] | None:
-    """What :func:`write_sources` wrote, or None (a processor of one dataset)."""
-    import json
+    """What :func:`write_sources` wrote, or None (a processor of one dataset); one line naming the file when it is
+    not what :func:`write_sources` writes (cut mid-write, or edited by hand)."""
+    from loong.core.checkpoint.safetensors_io import read_json
 
     path = Path(directory) / SOURCES_FILE
     if not path.is_file():
         return None
-    return list(json.loads(path.read_text(encoding="utf-8"))["sources"])
+    sources = read_json(path)
+    entries = sources.get("sources") if isinstance(sources, dict) else None
+    if not isinstance(entries, list) or not all(isinstance(e, dict) and "root" in e and "name" in e
+                                                for e in entries):
+        raise LoongError(f"{path}: expected {{\"sources\": [{{\"root\": ..., \"name\": ..., \"embodiment_id\": ...}}, "
+                         "...]}} (what training writes for a dataset mix)")
+    return entries
 
 
 def source_record(dataset: VLADataset, embodiment_id: int | None) -> dict[str, Any]:
