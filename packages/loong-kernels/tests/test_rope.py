@@ -107,6 +107,32 @@ def test_inplace_autograd(interpret, check):
     assert check.rel_err(base_q.grad, g[0]) < 1e-6 and check.rel_err(base_k.grad, g[1]) < 1e-6
 
 
+def test_q_and_k_rotate_in_one_launch_each_way(interpret, check, monkeypatch):
+    """q and k (GQA, different strides) share one kernel launch forward and one backward, as issue 26 asks."""
+    from loong.kernels import rope as rope_mod
+
+    launches = []
+    kernel = rope_mod._rope_kernel
+
+    class Counting:
+        def __getitem__(self, grid):
+            launches.append(grid)
+            return kernel[grid]
+
+    monkeypatch.setattr(rope_mod, "_rope_kernel", Counting())
+    base = torch.randn(6, 2, 4 * 8 + 2 * 8 * 2, requires_grad=True)  # fused q (4 heads) | k (2) | v (2), width 8
+    q, k = base[..., :32].unflatten(-1, (4, 8)), base[..., 32:48].unflatten(-1, (2, 8))
+    cos, sin = _tables("sbhd", q.shape, 8, True)
+    qo, ko = apply_rope(q, k, cos, sin, backend="triton")
+    assert len(launches) == 1
+    probe_q, probe_k = torch.randn(qo.shape), torch.randn(ko.shape)
+    got = torch.autograd.grad((qo * probe_q).sum() + (ko * probe_k).sum(), base)[0]
+    assert len(launches) == 2
+    qr, kr = apply_rope_reference(q, k, cos, sin)
+    want = torch.autograd.grad((qr * probe_q).sum() + (kr * probe_k).sum(), base)[0]
+    assert check.rel_err(qo, qr) < 1e-6 and check.rel_err(ko, kr) < 1e-6 and check.rel_err(got, want) < 1e-6
+
+
 def test_k_none_and_finite_differences(interpret, check):
     q, _ = _qk((5, 2, 3, 12), (1,))
     cos, sin = _tables("sbhd", q.shape, 8, True)

@@ -119,9 +119,13 @@ def rope_cos_sin(position_ids: torch.Tensor, inv_freq: torch.Tensor, *, mrope_se
 
 
 @kernel
-def _rope_kernel(X, OUT, COS, SIN, n_b, n_heads, rot_half, head_dim, sx_s, sx_b, sx_h, so_s, so_b, so_h, sc_s,
-                 sc_b, BACKWARD: tl.constexpr, INTERLEAVED: tl.constexpr, COPY_PASS: tl.constexpr,
-                 BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr):
+def _rope_kernel(X, OUT, XK, OUTK, COS, SIN, n_b, n_heads, n_kheads, rot_half, head_dim, sx_s, sx_b, sx_h, so_s,
+                 so_b, so_h, sk_s, sk_b, sk_h, sok_s, sok_b, sok_h, sc_s, sc_b, BACKWARD: tl.constexpr,
+                 INTERLEAVED: tl.constexpr, COPY_PASS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr,
+                 BLOCK_P: tl.constexpr):
+    # One program per token rotates the heads of q (X -> OUT) and then those of k (XK -> OUTK) after a single load
+    # of the token's cos/sin: one launch for both. A head block may straddle the two tensors; each head takes its
+    # pointers from its own tensor (k's heads are numbered n_heads, n_heads + 1, ...).
     tok = tl.program_id(0)
     si = tok // n_b
     bi = tok - si * n_b
@@ -140,12 +144,16 @@ def _rope_kernel(X, OUT, COS, SIN, n_b, n_heads, rot_half, head_dim, sx_s, sx_b,
         d2 = r + rot_half
     xbase = X + si.to(tl.int64) * sx_s + bi.to(tl.int64) * sx_b
     obase = OUT + si.to(tl.int64) * so_s + bi.to(tl.int64) * so_b
-    for h0 in range(0, n_heads, BLOCK_H):
+    kbase = XK + si.to(tl.int64) * sk_s + bi.to(tl.int64) * sk_b
+    okbase = OUTK + si.to(tl.int64) * sok_s + bi.to(tl.int64) * sok_b
+    for h0 in range(0, n_heads + n_kheads, BLOCK_H):
         h = (h0 + tl.arange(0, BLOCK_H)).to(tl.int64)
-        hmask = h < n_heads
+        is_q = (h < n_heads)[:, None]
+        hk = h - n_heads
+        hmask = h < n_heads + n_kheads
         m = hmask[:, None] & rmask[None, :]
-        xh = xbase + h[:, None] * sx_h
-        oh = obase + h[:, None] * so_h
+        xh = tl.where(is_q, xbase + h[:, None] * sx_h, kbase + hk[:, None] * sk_h)
+        oh = tl.where(is_q, obase + h[:, None] * so_h, okbase + hk[:, None] * sok_h)
         x1 = tl.load(xh + d1[None, :], mask=m, other=0.0).to(tl.float32)
         x2 = tl.load(xh + d2[None, :], mask=m, other=0.0).to(tl.float32)
         tl.store(oh + d1[None, :], (x1 * cos[None, :] - x2 * sin[None, :]).to(OUT.dtype.element_ty), mask=m)
@@ -182,18 +190,23 @@ def _table_strides(cos: torch.Tensor) -> tuple[int, int]:
     return cos.stride(0), cos.stride(1)
 
 
-def _launch(x4: torch.Tensor, o4: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backward: bool,
+def _launch(pairs: list[tuple[torch.Tensor, torch.Tensor]], cos: torch.Tensor, sin: torch.Tensor, backward: bool,
             interleaved: bool, copy_pass: bool) -> None:
+    """One launch rotating each ``(input, output)`` pair of ``pairs`` (q's, then k's; ``[s, b, heads, dim]`` views)."""
+    x4, o4 = pairs[0]
+    k4, ok4 = pairs[1] if len(pairs) > 1 else (x4, o4)  # no k: q's pointers with zero heads, never touched
     s, b, heads, dim = x4.shape
+    kheads = k4.shape[2] if len(pairs) > 1 else 0
     r = cos.shape[-1]
-    if s * b == 0 or heads == 0:
+    if s * b == 0 or heads + kheads == 0:
         return
     block_r = next_pow2(r)
-    block_h = min(next_pow2(heads), max(1, 4096 // block_r))
+    block_h = min(next_pow2(heads + kheads), max(1, 4096 // block_r))
     block_p = next_pow2(max(dim - 2 * r, 1))
     sc_s, sc_b = _table_strides(cos)
-    _rope_kernel[(s * b,)](x4, o4, cos, sin, b, heads, r, dim, x4.stride(0), x4.stride(1), x4.stride(2),
-                           o4.stride(0), o4.stride(1), o4.stride(2), sc_s, sc_b, BACKWARD=backward,
+    _rope_kernel[(s * b,)](x4, o4, k4, ok4, cos, sin, b, heads, kheads, r, dim, x4.stride(0), x4.stride(1),
+                           x4.stride(2), o4.stride(0), o4.stride(1), o4.stride(2), k4.stride(0), k4.stride(1),
+                           k4.stride(2), ok4.stride(0), ok4.stride(1), ok4.stride(2), sc_s, sc_b, BACKWARD=backward,
                            INTERLEAVED=interleaved, COPY_PASS=copy_pass and dim > 2 * r, BLOCK_H=block_h,
                            BLOCK_R=block_r, BLOCK_P=block_p, num_warps=4 if block_h * block_r <= 2048 else 8)
 
@@ -201,14 +214,10 @@ def _launch(x4: torch.Tensor, o4: torch.Tensor, cos: torch.Tensor, sin: torch.Te
 class _RoPEFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, cos, sin, layout, interleaved, inplace):
-        outs = []
-        for t in (q, k):
-            if t is None:
-                outs.append(None)
-                continue
-            o = t if inplace else torch.empty(t.shape, dtype=t.dtype, device=t.device)
-            _launch(_to_sbhd(t, layout), _to_sbhd(o, layout), cos, sin, False, interleaved, not inplace)
-            outs.append(o)
+        outs = [None if t is None else t if inplace else torch.empty(t.shape, dtype=t.dtype, device=t.device)
+                for t in (q, k)]
+        _launch([(_to_sbhd(t, layout), _to_sbhd(o, layout)) for t, o in zip((q, k), outs, strict=True)
+                 if t is not None], cos, sin, False, interleaved, not inplace)
         if inplace:
             ctx.mark_dirty(*[t for t in (q, k) if t is not None])
         ctx.save_for_backward(cos, sin)
@@ -219,16 +228,12 @@ class _RoPEFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dq, dk):
         cos, sin = ctx.saved_tensors
-        grads = []
-        for g in (dq, dk):
-            if g is None:
-                grads.append(None)
-                continue
-            if g.stride(-1) != 1:
-                g = g.contiguous()
-            o = torch.empty(g.shape, dtype=g.dtype, device=g.device)
-            _launch(_to_sbhd(g, ctx.layout), _to_sbhd(o, ctx.layout), cos, sin, True, ctx.interleaved, True)
-            grads.append(o)
+        gs = [None if g is None else g if g.stride(-1) == 1 else g.contiguous() for g in (dq, dk)]
+        grads = [None if g is None else torch.empty(g.shape, dtype=g.dtype, device=g.device) for g in gs]
+        pairs = [(_to_sbhd(g, ctx.layout), _to_sbhd(o, ctx.layout)) for g, o in zip(gs, grads, strict=True)
+                 if g is not None]
+        if pairs:  # autograd hands dq/dk in q's/k's dtype, which _why_not requires to be one
+            _launch(pairs, cos, sin, True, ctx.interleaved, True)
         return grads[0], grads[1], None, None, None, None, None
 
 
