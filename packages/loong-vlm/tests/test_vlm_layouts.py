@@ -1,9 +1,11 @@
 """The VLM at other layouts reproduces DP=2 (and DP=1): foundation TP=2 (with and without sequence parallelism; the
-encoder unsharded on each TP rank), PP=2 (the encoder on the first stage), PP=2 with ``encoder.decoupled=true`` (the
+encoder unsharded on each TP rank), foundation and encoder TP=2 (``encoder.parallel.tp=2``: the ViT's blocks sharded;
+the Qwen2.5-VL and the Qwen3-VL towers, and every encoder family's sharding against itself unsharded), PP=2 (the encoder on the first stage), PP=2 with ``encoder.decoupled=true`` (the
 tower outside the pipeline, its share computed on every stage), CP=2 (every rank two zigzag chunks of each packed
 row, the encoder on all of the micro-batch's media), EP=2 for the Qwen3-VL-MoE foundation, and
-data-parallel balancing. Loss and every gradient within 1e-5 (fp32), 10 steps track, a TP=2 checkpoint resumes
-at TP=1 and a decoupled PP=2 one at coupled PP=2 with the same next loss, and balancing lowers the predicted rank
+data-parallel balancing. Loss and every gradient within 1e-5 (fp32), 10 steps track, a TP=2 checkpoint (the encoder
+sharded too) resumes at TP=1 (and back) and a decoupled PP=2 one at coupled PP=2 with the same next loss,
+the encoder-TP=2 run's gradient norms are DP=2's, and balancing lowers the predicted rank
 imbalance, logged every step.
 
 One 2-process gloo launch (``workers/vlm_layouts.py``) produces every multi-rank figure; the DP=1 reference runs
@@ -55,7 +57,8 @@ def test_the_gradients_compared_cover_every_component(layouts: dict) -> None:
         assert max(float(grads[k].abs().max()) for k in keys) > 0, part
 
 
-@pytest.mark.parametrize("layout", ["tp2", "tp2sp", "pp2", "pp2_decoupled", "cp2", "balanced", "moe_ep2"])
+@pytest.mark.parametrize("layout", ["tp2", "tp2sp", "tp2_enc_tp2", "pp2", "pp2_decoupled", "cp2", "balanced",
+                                    "moe_ep2", "moe_tp2_enc_tp2"])
 def test_first_step_loss_and_gradients_match_dp2(layouts: dict, layout: str) -> None:
     ref = "moe_dp2" if layout.startswith("moe") else "dp2"
     assert _rel(layouts["loss"][layout], layouts["loss"][ref]) <= 1e-5
@@ -84,7 +87,7 @@ def test_dp2_equals_dp1(layouts: dict) -> None:
     assert _grad_err(got["grads"], ref["grads"]) <= 1e-5
 
 
-@pytest.mark.parametrize("layout", ["tp2", "pp2", "pp2_decoupled", "cp2"])
+@pytest.mark.parametrize("layout", ["tp2_enc_tp2", "pp2", "pp2_decoupled", "cp2"])
 def test_ten_steps_track_dp2(layouts: dict, layout: str) -> None:
     ref, got = layouts["train"]["dp2"], layouts["train"][layout]
     assert len(ref) == len(got) == 10
@@ -92,11 +95,41 @@ def test_ten_steps_track_dp2(layouts: dict, layout: str) -> None:
     assert ref[-1] < ref[0] - 0.5  # it trains
 
 
-def test_tp2_checkpoint_resumes_at_tp1_with_the_same_next_loss(layouts: dict) -> None:
-    resumed, tp2 = layouts["train"]["dp2_resumed_from_tp2"], layouts["train"]["tp2"]
-    assert resumed[:5] == [float("-inf")] * 5  # steps 1-5 came from the checkpoint
-    assert _rel(resumed[5], tp2[5]) <= 1e-5
-    assert max(_rel(a, b) for a, b in zip(resumed[5:], tp2[5:], strict=True)) <= 1e-5
+def test_a_tp2_checkpoint_resumes_at_tp1_and_back_with_the_same_next_loss(layouts: dict) -> None:
+    """A TP=2 run's checkpoint (``encoder.parallel.tp=2``: the foundation's and the encoder's shards saved as slices
+    of the whole tensors): DP=2 (everything at TP=1) resumes its step-5 checkpoint with its next losses, and it
+    resumes DP=2's with DP=2's: the next loss (the weights) and the one after (the optimiser state)."""
+    for resumed, saved in (("dp2_resumed_from_enc_tp2", "tp2_enc_tp2"), ("enc_tp2_resumed_from_dp2", "dp2")):
+        got, ref = layouts["train"][resumed], layouts["train"][saved]
+        assert got[:5] == [float("-inf")] * 5 and len(got) == 7, resumed  # steps 1-5 came from the checkpoint
+        assert max(_rel(a, b) for a, b in zip(got[5:], ref[5:7], strict=True)) <= 1e-5, resumed
+
+
+def test_the_encoder_tp2_gradient_norm_is_the_tp1_one(layouts: dict) -> None:
+    """Megatron's gradient norm (what ``train.clip_grad`` clips by) counts each encoder shard once and each
+    replicated encoder weight once: every step's norm equals DP=2's (all at TP=1)."""
+    ref, got = layouts["grad_norm"]["dp2"], layouts["grad_norm"]["tp2_enc_tp2"]
+    assert len(ref) == len(got) == 10
+    assert max(_rel(a, b) for a, b in zip(got, ref, strict=True)) <= 1e-5, (got, ref)
+
+
+@pytest.mark.parametrize(("preset", "shards"), [("qwen2_5_vit_tiny", 32), ("qwen3_vit_tiny", 24),
+                                                ("intern_vit_tiny", 24), ("siglip2_tiny", 24)])
+def test_every_encoder_family_sharded_over_two_ranks_equals_itself_unsharded(layouts: dict, preset: str,
+                                                                             shards: int) -> None:
+    """Each block's qkv, proj and MLP weights sharded (Qwen2.5-VL's gated MLP: 8 tensors a block, the others 6, over
+    4 blocks), the loss and every whole gradient of the unsharded encoder within 1e-5."""
+    got = layouts["encoder_tp"][preset]
+    assert got["sharded"] == shards and got["keys_equal"], got
+    assert got["loss_err"] <= 1e-5 and got["grad_err"] <= 1e-5, got
+
+
+def test_hf_export_and_load_at_encoder_tp2_see_the_whole_tensors(layouts: dict) -> None:
+    """``train.save_hf`` from the sharded model writes the whole HF tensors (every encoder key, whole shapes, the
+    weights bit for bit), and ``model.init_from_hf`` slices them back into the shards."""
+    got = layouts["hf_enc_tp2"]
+    assert got["encoder_keys"] > 0 and got["encoder_shapes_whole"] and got["loaded_keys_equal"], got
+    assert got["export_err"] == 0.0 and got["init_err"] == 0.0, got
 
 
 def test_a_decoupled_pp2_checkpoint_resumes_coupled_and_back(layouts: dict) -> None:

@@ -68,9 +68,11 @@ def check_vlm_config(cfg: VLMRunConfig) -> None:
         if cfg.data.balance.enabled:
             raise LoongError(f"data.balance.enabled=true with parallel.cp={p.cp} is not supported (balanced "
                              "micro-batches vary in length, CP splits fixed-length rows); use one of them")
-    if enc.parallel.tp != 1:
-        raise LoongError(f"encoder.parallel.tp={enc.parallel.tp}: the vision encoder runs unsharded (tp=1) on "
-                         "each rank of the foundation's tensor-parallel group for now")
+    from loong.core.engines.megatron.layout import check_component_tp
+    from loong.vlm.models.vision.tensor_parallel import check_encoder_tp
+
+    check_component_tp("encoder", enc.parallel.tp, p.tp)
+    check_encoder_tp(enc, enc.parallel.tp)
     if cfg.data.path is not None and not Path(cfg.data.path).is_file():
         raise LoongError(f"data.path: {cfg.data.path} is not a file")
     if cfg.data.processor is not None and not Path(cfg.data.processor).is_dir():
@@ -92,6 +94,11 @@ class VLMTask(MegatronTask):
     """Supervised training of a VLM (encoder + projector + foundation) on image / video conversations."""
 
     engine = "megatron"
+
+    @classmethod
+    def component_layouts(cls, cfg: Any) -> dict[str, int]:
+        """The vision encoder's own tensor-parallel size (``encoder.parallel.tp``, dividing ``parallel.tp``)."""
+        return {"encoder": cfg.encoder.parallel.tp}
 
     @classmethod
     def check_config(cls, cfg: Any) -> None:
@@ -166,12 +173,14 @@ class VLMTask(MegatronTask):
                 projector = family.build_projector(c.projector, c.encoder)
             if hasattr(encoder, "attn_impl"):
                 encoder.attn_impl = choose_varlen_impl(self.accelerator.capabilities())
+            if c.encoder.parallel.tp > 1:
+                self._shard_encoder(encoder)
             if decoupled:  # every replica's gradient joins the pipeline-group sum (model_config)
                 for param in (*encoder.parameters(), *projector.parameters()):
                     param.pipeline_parallel = True
                     # megatron's gradient norm (clipping) sums over the pipeline group: count the tower once, as
                     # it does the tied output weight (``shared`` on the duplicate)
-                    param.shared = replica > 0
+                    param.shared = replica > 0 or getattr(param, "shared", False)
         model = VisionLanguageModel(config, foundation, encoder, projector, tower_replica=replica)
         self._freeze(model)
         if decoupled:
@@ -179,6 +188,16 @@ class VLMTask(MegatronTask):
 
             self.tower = DecoupledTower(model, self.layout.pg_collection.pp, c.projector.out_hidden_size, deepstack)
         return model
+
+    def _shard_encoder(self, encoder: torch.nn.Module) -> None:
+        """``encoder.parallel.tp > 1``: shard the blocks over the encoder's process group (built by the layout, a
+        block of consecutive ranks of the foundation's tensor-parallel group); the other blocks of that group hold
+        replicas of the sharded encoder (numbered for the gradient norm and the checkpoint)."""
+        from loong.vlm.models.vision.tensor_parallel import shard_vision_encoder
+
+        group = self.layout.component("encoder").tp
+        replica = torch.distributed.get_rank(self.layout.pg_collection.tp) // group.size()
+        shard_vision_encoder(encoder, group, replica)
 
     def _freeze(self, model: torch.nn.Module) -> None:
         """``model.freeze``: those components' parameters take no gradient (megatron's optimiser then keeps no

@@ -22,6 +22,7 @@ from torch import nn
 from loong.core.errors import LoongError
 from loong.vlm.models.foundation import VLMFoundation
 from loong.vlm.models.vision.common import ProjectorOutput
+from loong.vlm.models.vision.tensor_parallel import is_sharded, shard_sharded_state_dict
 
 Tensor = torch.Tensor
 IMAGE, VIDEO = 1, 2  # mm_token_type_ids of image and video placeholder tokens
@@ -89,10 +90,14 @@ class VisionLanguageModel(MegatronModule):
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (),
                            metadata: dict | None = None) -> dict:
-        """megatron's sharded state, the tower's tensors marked as replicas on pipeline ranks > 0 (decoupled: every
-        stage holds the same ``encoder.*`` / ``projector.*``; one main copy per key, as megatron's checkpointing
-        and :func:`~loong.core.engines.megatron.state.gather_full_state` require)."""
+        """megatron's sharded state: a tensor-parallel encoder's shards (``encoder.parallel.tp > 1``) as slices of
+        the whole tensors (:func:`~loong.vlm.models.vision.tensor_parallel.shard_sharded_state_dict`), and the
+        tower's tensors marked as replicas on pipeline ranks > 0 (decoupled: every stage holds the same
+        ``encoder.*`` / ``projector.*``; one main copy per key, as megatron's checkpointing and
+        :func:`~loong.core.engines.megatron.state.gather_full_state` require)."""
         sd = super().sharded_state_dict(prefix, sharded_offsets, metadata)
+        if is_sharded(self.encoder):
+            shard_sharded_state_dict(sd, f"{prefix}encoder.", self.encoder)
         if self.tower_replica:
             from megatron.core.dist_checkpointing.dict_utils import dict_list_map_inplace
 

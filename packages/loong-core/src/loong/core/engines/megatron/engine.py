@@ -35,7 +35,7 @@ from loong.core.engines.megatron.optimizer_state import (
 from loong.core.engines.megatron.state import unwrap
 from loong.core.engines.megatron.task import MegatronTask
 from loong.core.errors import LoongError
-from loong.core.registry import ENGINES
+from loong.core.registry import ENGINES, TASKS
 from loong.core.trainer.out_of_memory import memory_options
 
 #: Common (non-sharded) entry of every checkpoint: the layout it was written at (EP/ETP are not in
@@ -85,7 +85,9 @@ class MegatronEngine(Engine):
 
     @classmethod
     def init_layout(cls, accelerator: Accelerator, cfg: RunConfig) -> MegatronLayout:
-        return init_distributed(accelerator, cfg.parallel)
+        task_cls = TASKS.get(cfg.task)  # its components' own tensor-parallel groups are built with the layout
+        components = task_cls.component_layouts(cfg) if issubclass(task_cls, MegatronTask) else {}
+        return init_distributed(accelerator, cfg.parallel, components)
 
     @classmethod
     def seed(cls, seed: int, accelerator: Accelerator, layout: MegatronLayout) -> None:

@@ -1,11 +1,13 @@
 """megatron-core's process groups for a run: ``initialize_model_parallel`` once, its ``ProcessGroupCollection``
-handed explicitly to the model, DDP and the engine."""
+handed explicitly to the model, DDP and the engine; and one collection per *component* with its own
+tensor-parallel size (a VLM's vision encoder at ``encoder.parallel.tp``), built here from the layout and handed to
+that component by its task (:attr:`MegatronLayout.components`), never through module globals."""
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
-from dataclasses import dataclass
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch.distributed as dist
@@ -21,6 +23,17 @@ class MegatronLayout(ParallelLayout):
     """A megatron layout: tp/pp/cp/ep sizes and the process-group collection."""
 
     pg_collection: Any = None  # megatron.core.process_groups_config.ProcessGroupCollection
+    #: component name -> its ProcessGroupCollection (:func:`component_process_groups`): its own ``tp`` group, the
+    #: model's ``pp`` / ``cp`` / ``dp`` / ``dp_cp`` groups
+    components: dict[str, Any] = field(default_factory=dict)
+
+    def component(self, name: str) -> Any:
+        """The process-group collection of component ``name``; a LoongError when the layout was built without it
+        (:func:`init_distributed`'s ``components``)."""
+        if name not in self.components:
+            raise LoongError(f"the layout has no process groups for component {name!r} (built for "
+                             f"{sorted(self.components) or 'none'}); pass it to init_distributed's components")
+        return self.components[name]
 
     @property
     def tp(self) -> int:
@@ -80,14 +93,50 @@ def check_layout(cfg: ParallelConfig, world_size: int) -> int:
     return dp
 
 
-def init_distributed(accelerator: Accelerator, cfg: ParallelConfig) -> MegatronLayout:
-    """Join (or create, for a single process) the default group and build megatron-core's groups."""
+def check_component_tp(name: str, tp: int, model_tp: int) -> None:
+    """A component's tensor-parallel size must divide the model's ``parallel.tp`` (its groups are consecutive
+    sub-blocks of the model's tensor-parallel groups)."""
+    if tp < 1 or model_tp % tp:
+        raise LoongError(f"{name}.parallel.tp={tp} must divide parallel.tp={model_tp} (the component's "
+                         "tensor-parallel groups are consecutive sub-blocks of the model's); allowed: "
+                         f"{', '.join(str(d) for d in range(1, model_tp + 1) if model_tp % d == 0)}")
+
+
+def component_process_groups(pgs: Any, tp: int) -> Any:
+    """A ``ProcessGroupCollection`` for a component at tensor-parallel size ``tp`` (dividing the model's): its
+    ``tp`` group is this rank's block of ``tp`` consecutive ranks of the model's tensor-parallel group (the model's
+    own group when the sizes are equal); ``pp``, ``cp``, ``dp``, ``dp_cp`` are the model's. Ranks in different
+    blocks of one model-TP group hold replicas of the component. Collective over the world (every rank creates
+    every block's group, in the same order)."""
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    shared = {"pp": pgs.pp, "cp": pgs.cp, "dp": pgs.dp, "dp_cp": pgs.dp_cp}
+    if tp == pgs.tp.size():
+        return ProcessGroupCollection(tp=pgs.tp, **shared)
+    model_groups: list = [None] * dist.get_world_size()
+    dist.all_gather_object(model_groups, dist.get_process_group_ranks(pgs.tp))
+    mine = None
+    for ranks in sorted({tuple(r) for r in model_groups}):
+        for first in range(0, len(ranks), tp):
+            block = list(ranks[first:first + tp])
+            group = dist.new_group(block)
+            if dist.get_rank() in block:
+                mine = group
+    return ProcessGroupCollection(tp=mine, **shared)
+
+
+def init_distributed(accelerator: Accelerator, cfg: ParallelConfig,
+                     components: Mapping[str, int] | None = None) -> MegatronLayout:
+    """Join (or create, for a single process) the default group and build megatron-core's groups, plus one
+    collection per entry of ``components`` (component name -> its tensor-parallel size, dividing ``cfg.tp``)."""
     from megatron.core import parallel_state
     from megatron.core.process_groups_config import ProcessGroupCollection
 
     world_size, local_rank, created = init_process_group(accelerator)
     try:
         dp = check_layout(cfg, world_size)
+        for name, tp in (components or {}).items():
+            check_component_tp(name, tp, cfg.tp)
     except LoongError:
         if created:
             destroy_process_group()
@@ -103,7 +152,8 @@ def init_distributed(accelerator: Accelerator, cfg: ParallelConfig) -> MegatronL
         expert_tensor_parallel_size=cfg.etp,
     )
     pgs = ProcessGroupCollection.use_mpu_process_groups()
-    return MegatronLayout(cfg, world_size, dist.get_rank(), local_rank, dp, created, pgs)
+    groups = {name: component_process_groups(pgs, tp) for name, tp in (components or {}).items()}
+    return MegatronLayout(cfg, world_size, dist.get_rank(), local_rank, dp, created, pgs, groups)
 
 
 def shutdown_distributed(destroy_default: bool = True) -> None:

@@ -16,6 +16,14 @@ class MegatronTask(Task):
 
     engine = "megatron"
 
+    @classmethod
+    def component_layouts(cls, cfg: Any) -> dict[str, int]:
+        """Components of the model that run at their own tensor-parallel size: ``{name: tp}`` (each dividing
+        ``parallel.tp``). The engine builds each one's process-group collection with the layout
+        (:attr:`~loong.core.engines.megatron.layout.MegatronLayout.components`); the task hands it to that
+        component. Empty: the whole model at ``parallel.tp``."""
+        return {}
+
     @abstractmethod
     def model_config(self, dtype: torch.dtype) -> Any:
         """The megatron-core ``TransformerConfig`` of the model."""
