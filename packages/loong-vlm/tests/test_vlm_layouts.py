@@ -141,9 +141,12 @@ def test_a_decoupled_pp2_checkpoint_resumes_coupled_and_back(layouts: dict) -> N
         assert max(_rel(a, b) for a, b in zip(got[5:], ref[5:], strict=True)) <= 1e-5, resumed
 
 
-def test_a_frozen_decoupled_encoder_holds_no_optimiser_state_on_any_stage(layouts: dict) -> None:
-    ranks = layouts["frozen_decoupled"]["ranks"]
-    assert len(ranks) == 2 and all("encoder" in r and "projector" in r for r in ranks)  # a replica on each stage
+@pytest.mark.parametrize("run", ["frozen_decoupled", "frozen_enc_tp2"])
+def test_a_frozen_encoder_holds_no_optimiser_state_on_any_rank(layouts: dict, run: str) -> None:
+    """``model.freeze=[encoder]`` with the decoupled tower (a replica on each stage) and with the encoder sharded
+    over TP=2 (a shard on each rank): no encoder parameter is in the optimiser, holds state or changes."""
+    ranks = layouts[run]["ranks"]
+    assert len(ranks) == 2 and all("encoder" in r and "projector" in r for r in ranks)  # on each rank: a replica or a shard
     for r in ranks:
         assert r["encoder"] == {"optimizer": False, "state": False, "changed": False}, r
         assert r["projector"] == {"optimizer": True, "state": True, "changed": True}, r

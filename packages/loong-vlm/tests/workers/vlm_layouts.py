@@ -15,7 +15,8 @@ and merger over a Qwen2 foundation with M-RoPE) on the synthetic shapes set, fp3
 - 10 training steps at DP=2, TP=2 with the encoder at TP=2, PP=2, PP=2 decoupled and CP=2; TP=2 (encoder too) saves
   a checkpoint at step 5 that DP=2 (all TP=1) resumes for two steps, and resumes DP=2's the same way; PP=2 decoupled
   saves one that the coupled PP=2 resumes, and back (the gradient norms of every DP=2 and TP=2 step recorded);
-- 2 steps at PP=2 decoupled with ``model.freeze=[encoder]`` (which parameters the optimiser holds, on each rank);
+- 2 steps at PP=2 decoupled and at TP=2 with the encoder sharded, with ``model.freeze=[encoder]`` (which
+  parameters the optimiser holds, on each rank);
 - 4 balanced steps with ``data.balance.cost=fit`` (per-step balance metrics, one fit with the encoder terms).
 
 Every layout starts from the DP=2 run's initial weights (megatron's random initialisation differs between pipeline
@@ -140,13 +141,13 @@ def fit_and_losses(cfg, layout, task, acc, run_dir: Path, resume: Path | None = 
     return losses, records, engine
 
 
-def frozen_decoupled(root: Path, acc, weights: dict) -> dict:  # noqa: ANN001
-    """Two steps at PP=2 with the decoupled tower and ``model.freeze=[encoder]``: per component, on every rank,
-    whether any of its parameters is in the optimiser, holds Adam state, or changed; and whether its replica is
-    here (gathered from every rank)."""
+def frozen_encoder(root: Path, acc, weights: dict, name: str) -> dict:  # noqa: ANN001
+    """Two steps at layout ``name`` (PP=2 with the decoupled tower; TP=2 with the encoder sharded) with
+    ``model.freeze=[encoder]``: per component, on every rank, whether any of its parameters is in the optimiser,
+    holds Adam state, or changed; and whether its replica is here (gathered from every rank)."""
     from loong.core.engines.megatron.state import unwrap
 
-    cfg, layout, task = build(root, [*LAYOUTS["pp2_decoupled"], "model.freeze=[encoder]"], acc, steps=2)
+    cfg, layout, task = build(root, [*LAYOUTS[name], "model.freeze=[encoder]"], acc, steps=2)
     engine = MegatronEngine(task, cfg, acc, layout)
     load_full_state(engine.model_chunks, weights)
     model = unwrap(engine.model_chunks[0])
@@ -258,7 +259,8 @@ def main() -> None:
             result["train"][resumed] = fit_and_losses(cfg, layout, task, acc, root / resumed, _step_dir(root, saved))[0]
         result["encoder_tp"] = encoder_tp_parity()
         result["hf_enc_tp2"] = hf_round_trip(root, acc, weights)
-        result["frozen_decoupled"] = frozen_decoupled(root, acc, weights)
+        result["frozen_decoupled"] = frozen_encoder(root, acc, weights, "pp2_decoupled")
+        result["frozen_enc_tp2"] = frozen_encoder(root, acc, weights, "tp2_enc_tp2")
         fit = [*LAYOUTS["balanced"], "data.balance.cost=fit", "data.balance.fit_steps=2", "train.global_batch_size=8"]
         cfg, layout, task = build(root, fit, acc, steps=4)
         result["train"]["balanced_fit"], result["balanced_fit_records"], _ = fit_and_losses(
