@@ -1,9 +1,12 @@
-"""LLM training throughput on one GPU: Hugging Face transformers (eager, compiled) against Loong (bf16, FP8).
+"""LLM training throughput on one GPU: Hugging Face transformers (eager, compiled, + Liger) and torchtitan against
+Loong (bf16, FP8).
 
-Every row trains the same LLaMA-shaped model (default: the ``llama3_2_1b`` preset, 1.24B parameters,
-tied embeddings) on the same data, tokenised by loong-llm's tiny BPE, in the same sample order (loong-llm's
-seeded sampler), with the same AdamW, warm-up + cosine learning rate, weight decay and gradient clipping,
-each in its own process (clean memory statistics). The data (``--data``):
+Every row trains a model of the same shape: loong-llm's preset ``--preset`` (default ``llama3_2_1b``, 1.24B
+parameters, tied embeddings; also e.g. ``qwen3_1_7b``, or the 8B-class ``--preset llama3_8b --num-layers 8``:
+llama3_8b's widths with 8 of its 32 layers, so one GPU holds it with AdamW), on the same data, tokenised by
+loong-llm's tiny BPE, in the same sample order (loong-llm's seeded sampler), with the same AdamW, warm-up +
+cosine learning rate, weight decay and gradient clipping, each in its own process (clean memory statistics). The
+data (``--data``):
 
 - ``stdlib`` (default): the Python standard library's own source (``*.py`` outside test folders, sorted
   by path; about 12 MB), one document per file. It is on every machine, so nothing is downloaded, and it
@@ -14,20 +17,33 @@ each in its own process (clean memory statistics). The data (``--data``):
 
 Rows:
 
-- ``hf_eager``: ``LlamaForCausalLM`` with SDPA attention, fp32 weights under bf16 autocast, fused AdamW
+- ``hf_eager``: the preset family's HF model (``LlamaForCausalLM``; ``Qwen3ForCausalLM`` with its q/k norms for
+  ``family: qwen3``; ``hf_model``) with SDPA attention, fp32 weights under bf16 autocast, fused AdamW
   (what ``Trainer(bf16=True)`` does); ``hf_compile``: the same model under ``torch.compile``.
+- ``hf_liger``: the same model with liger-kernel's ``apply_liger_kernel_to_<family>`` (RoPE, RMSNorm, SwiGLU, fused
+  linear + cross-entropy) applied before it is built, its loss from Liger's fused forward (``_llm_peers.py``), eager.
+- ``torchtitan``: torchtitan 0.3.0's own model of the shape, its one-GPU parallelize (per-block ``torch.compile``,
+  selective activation checkpointing, FSDP2 mixed precision), chunked loss, CUDA graphs (its Trainer's defaults),
+  in our loop (``_llm_peers.py`` says why). On torch 2.11 torchtitan 0.3.0 does not import (it is built against a
+  PyTorch nightly): the row keeps that error. ``torchtitan_compat``: the same after ``_llm_peers.titan_compat``
+  stands in for the three nightly-only names torchtitan's dense one-GPU path touches (listed in the row's JSON).
+  If the run with CUDA graphs fails, it is run again without them (the first error kept in the row).
 - ``loong_bf16``: ``loong-llm train`` (megatron-core, loong-kernels' fused kernels where available);
   ``loong_fp8_<recipe>``: the same with ``precision.fp8=<recipe>`` (docs/fp8.md).
 
 Columns: tokens/s and MFU (medians after ``--warmup`` steps; MFU against the GPU's dense bf16 peak,
 989 TFLOP/s on an H200), peak device memory, and the training loss at the last step (plus the mean of the
 last 20 steps, the steadier figure). Prints a table, writes JSON (command, versions, hardware, figures,
-every row's loss curve) and a loss-curve PNG to ``benchmarks/results/``.
+every row's loss curve) and a loss-curve PNG to ``benchmarks/results/``; tokens/s against HF eager, HF + Liger,
+torchtitan and Loong bf16. The peers' wheels: ``benchmarks/llm_peer_wheels.txt``. With no GPU the HF and torchtitan
+rows run on the CPU (fp32, no compile, no CUDA graphs; ``--preset tiny`` for a smoke test).
 
     python benchmarks/llm_throughput.py                                   # all rows, 200 steps
     python benchmarks/llm_throughput.py --rows hf_eager hf_compile loong_bf16
     python benchmarks/llm_throughput.py --rows loong_fp8_tensorwise --merge results/llm_throughput_h200_<date>.json
     python benchmarks/llm_throughput.py --rows loong_bf16 --profile 50 52 # + torch.profiler table per Loong row
+    python benchmarks/llm_throughput.py --preset qwen3_1_7b --rows hf_eager hf_liger torchtitan_compat loong_bf16
+    python benchmarks/llm_throughput.py --preset llama3_8b --num-layers 8 --mbs 2 --gbs 8 --steps 40
 
 ``--merge`` adds this run's rows to an earlier result file (same settings required), so the rows can be
 measured in several shorter sessions and still land in one table.
@@ -50,7 +66,7 @@ from _env import host, run_child, versions  # benchmarks/_env.py (run as scripts
 
 if TYPE_CHECKING:  # the parent process imports neither torch nor loong: each row's child does
     import torch
-    from transformers import LlamaForCausalLM
+    from transformers import PreTrainedModel
 
     from loong.core.config.schema import DataConfig
     from loong.llm.data.text import GlobalBatchSampler, PackedTokens
@@ -63,10 +79,15 @@ FP8_RECIPES = ("tensorwise", "rowwise", "blockwise", "adaptive")
 ROWS: dict[str, str] = {
     "hf_eager": "HF transformers, eager (SDPA)",
     "hf_compile": "HF transformers + torch.compile",
+    "hf_liger": "HF transformers + Liger kernels",
+    "torchtitan": "torchtitan 0.3.0",
+    "torchtitan_compat": "torchtitan 0.3.0 (compat)",
     "loong_bf16": "Loong bf16",
     **{f"loong_fp8_{r}": f"Loong FP8 {r}" for r in FP8_RECIPES},
 }
 SETTINGS = ("preset", "seq", "mbs", "gbs", "steps", "lr", "min_lr", "lr_warmup", "data", "seed")
+BASELINES = {"vs HF": ("hf_eager",), "vs Liger": ("hf_liger",), "vs titan": ("torchtitan", "torchtitan_compat"),
+             "vs bf16": ("loong_bf16",)}  # a column per baseline: the first of its rows that ran
 
 
 def stdlib_corpus(out: Path) -> dict:
@@ -137,35 +158,42 @@ def _lr(step: int, args: argparse.Namespace) -> float:
     return args.min_lr + 0.5 * (math.cos(math.pi * ratio) + 1.0) * (args.lr - args.min_lr)
 
 
-def llm_config(preset: str, seed: int) -> LLMRunConfig:
-    """loong-llm's pretraining config of ``preset`` (``LLMRunConfig``) with ``train.seed=seed``: the model shape and
-    data settings every HF-model row reads."""
+def llm_config(preset: str, seed: int, num_layers: int | None = None) -> LLMRunConfig:
+    """loong-llm's pretraining config of ``preset`` (``LLMRunConfig``) with ``train.seed=seed`` (and
+    ``model.num_layers=num_layers`` where given): the model shape and data settings every HF-model row reads."""
     from loong.core.config import compose_config
     from loong.llm.schema import LLMRunConfig
 
-    cfg, _ = compose_config("loong.llm.configs", "pretrain", [f"model={preset}", f"train.seed={seed}"], LLMRunConfig)
+    overrides = [f"model={preset}", f"train.seed={seed}", *([f"model.num_layers={num_layers}"] if num_layers else [])]
+    cfg, _ = compose_config("loong.llm.configs", "pretrain", overrides, LLMRunConfig)
     return cfg
 
 
-def hf_llama(m: DenseModelConfig, seed: int) -> LlamaForCausalLM:
-    """The HF ``LlamaForCausalLM`` of loong-llm's model config ``m`` (SDPA attention), fp32 on the host, its weights
-    drawn after ``torch.manual_seed(seed)`` (so every row that builds it starts from the same weights)."""
+def hf_model(m: DenseModelConfig, seed: int) -> PreTrainedModel:
+    """The HF causal LM of loong-llm's model config ``m``, of its family (``LlamaForCausalLM``, ``Qwen3ForCausalLM``
+    with q/k norms, ...: the class and config.json loong-llm's HF mapping names, tying as ``m`` says), SDPA
+    attention, fp32 on the host, its weights drawn after ``torch.manual_seed(seed)`` (so every row that builds it
+    starts from the same weights). Liger's entry point, where used, must run before this."""
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    import transformers
 
-    rope = None
-    if m.rope_scaling is not None:
-        rope = {"rope_type": "llama3", "factor": m.rope_scaling.factor, "low_freq_factor": m.rope_scaling.low_freq_factor,
-                "high_freq_factor": m.rope_scaling.high_freq_factor,
-                "original_max_position_embeddings": m.rope_scaling.original_max_position_embeddings,
-                "rope_theta": m.rope_theta}
-    hf_cfg = LlamaConfig(hidden_size=m.hidden_size, intermediate_size=m.ffn_hidden_size, num_hidden_layers=m.num_layers,
-                         num_attention_heads=m.num_attention_heads, num_key_value_heads=m.num_query_groups,
-                         head_dim=m.kv_channels, vocab_size=m.vocab_size, max_position_embeddings=m.max_position_embeddings,
-                         rope_theta=m.rope_theta, rope_scaling=rope, tie_word_embeddings=m.tie_word_embeddings,
-                         rms_norm_eps=m.norm_eps, attn_implementation="sdpa")
+    from loong.llm.models.hf_mapping import family_by_name
+
+    family = family_by_name(m.family)
+    d = family.hf_config_dict(m)
+    for k in ("architectures", "model_type", "dtype", "torch_dtype", "use_cache"):
+        d.pop(k)
+    hf_cfg = transformers.AutoConfig.for_model(family.model_type, **d, attn_implementation="sdpa")
+    cls = getattr(transformers, family.architectures[0])
     torch.manual_seed(seed)
-    return LlamaForCausalLM(hf_cfg).train()
+    return cls(hf_cfg).train()
+
+
+def hf_llama(m: DenseModelConfig, seed: int) -> PreTrainedModel:
+    """``hf_model`` for a LLaMA-family ``m`` (the name fsdp_engine.py and _fsdp_hf_task.py import)."""
+    if m.family != "llama":
+        raise ValueError(f"hf_llama: model.family={m.family!r}; use hf_model")
+    return hf_model(m, seed)
 
 
 def corpus_windows(d: DataConfig, data_path: str | None, seq: int, seed: int
@@ -196,16 +224,22 @@ def lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 
 
 def _hf_worker(args: argparse.Namespace) -> None:
-    """HF LlamaForCausalLM on loong-llm's data in loong-llm's order; prints one JSON line."""
+    """The HF model (``--liger``: with Liger's kernels) on loong-llm's data in loong-llm's order; prints one JSON
+    line."""
     import torch
 
     from loong.llm.models.config import training_flops_per_token
 
-    cfg = llm_config(args.preset, args.seed)
+    cfg = llm_config(args.preset, args.seed, args.num_layers)
     m = cfg.model
     gpu = torch.cuda.is_available()
     device = "cuda" if gpu else "cpu"
-    model = hf_llama(m, cfg.train.seed).to(device)
+    liger = None
+    if args.liger:
+        from _llm_peers import use_liger
+
+        liger = use_liger(m.family)
+    model = hf_model(m, cfg.train.seed).to(device)
     forward = torch.compile(model) if args.compile else model
     decay = [p for p in model.parameters() if p.ndim >= 2]  # megatron: no decay on norms and biases
     rest = [p for p in model.parameters() if p.ndim < 2]
@@ -228,8 +262,12 @@ def _hf_worker(args: argparse.Namespace) -> None:
             mb = microbatch(train, sampler, step * args.gbs + i * args.mbs, args.mbs)
             ids, labels = mb["tokens"].to(device), mb["labels"].to(device)
             with torch.autocast(device, dtype=torch.bfloat16, enabled=gpu):
-                logits = forward(input_ids=ids).logits
-            loss = lm_loss(logits, labels)
+                if liger:  # labels already shifted: Liger's fused linear + cross-entropy, mean over the tokens
+                    loss = forward(input_ids=ids, shift_labels=labels).loss
+                else:
+                    logits = forward(input_ids=ids).logits
+            if not liger:
+                loss = lm_loss(logits, labels)
             (loss / accum).backward()
             total += loss.detach() / accum
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -241,25 +279,52 @@ def _hf_worker(args: argparse.Namespace) -> None:
     mfu = tok_s * training_flops_per_token(m, args.seq) / PEAK_BF16 if gpu else None
     mem = round(torch.cuda.max_memory_allocated() / 2**30, 2) if gpu else None
     print(json.dumps({"tokens_per_s": round(tok_s, 1), "mfu": None if mfu is None else round(mfu, 4),
-                      "peak_memory_gib": mem, **_loss_summary(losses)}))
+                      "peak_memory_gib": mem, "model_class": type(model).__name__,
+                      **({"liger_entry_point": liger} if liger else {}), **_loss_summary(losses)}))
 
 
-def _hf(args: argparse.Namespace, compile_: bool) -> dict:
-    cmd = [sys.executable, __file__, "--hf-worker", *(["--compile"] if compile_ else []),
+def _worker(args: argparse.Namespace, flags: list[str]) -> dict:
+    """This file as a worker (``flags``: ``--hf-worker`` or ``--titan-worker`` and its switches) in its own process,
+    with the run's settings; its JSON line as a row, or the error (the end of its stderr) and the command."""
+    cmd = [sys.executable, __file__, *flags,
            *[f"--{k.replace('_', '-')}={getattr(args, k)}" for k in (*SETTINGS, "warmup")],
+           *([f"--num-layers={args.num_layers}"] if getattr(args, "num_layers", None) else []),
            *([f"--data-path={args.data_path}"] if args.data_path else [])]
     t0 = time.time()
     proc = run_child(cmd)
     if proc.returncode:
-        return {"error": proc.stderr[-3000:], "command": " ".join(cmd[1:])}
+        return {"error": proc.stderr[-3000:], "command": " ".join(cmd[1:]), "stdout": proc.stdout[-2000:]}
     return {"command": " ".join(cmd[1:]), **json.loads(proc.stdout.strip().splitlines()[-1]),
             "wall_s": round(time.time() - t0, 1)}
 
 
+TITAN_GRAPHS = "torchtitan: training with CUDA graphs"  # the torchtitan worker's line before its first step
+
+
+def _hf(args: argparse.Namespace, compile_: bool, liger: bool = False) -> dict:
+    """An HF row in its own process (``compile_``: under ``torch.compile``; ``liger``: with Liger's kernels)."""
+    return _worker(args, ["--hf-worker", *(["--compile"] if compile_ else []), *(["--liger"] if liger else [])])
+
+
+def _titan(args: argparse.Namespace, compat: bool, tmp: Path) -> dict:
+    """A torchtitan row in its own process; run again without CUDA graphs if the run with them fails."""
+    flags = ["--titan-worker", f"--titan-dump={tmp / 'torchtitan'}", *(["--titan-compat"] if compat else []),
+             *([f"--titan-loss={args.titan_loss}"] if args.titan_loss else [])]
+    row = _worker(args, flags)
+    if "error" in row and TITAN_GRAPHS in row.pop("stdout"):  # it failed with CUDA graphs on
+        again = _worker(args, [*flags, "--titan-no-cuda-graphs"])
+        again.pop("stdout", None)
+        return {**again, "cuda_graphs_error": row["error"]}
+    return row
+
+
 def _run_row(name: str, args: argparse.Namespace, tmp: Path) -> dict:
     if name.startswith("hf_"):
-        return _hf(args, compile_=name == "hf_compile")
-    overrides = ["model.fused_kernels=auto", f"train.seed={args.seed}"]
+        return _hf(args, compile_=name == "hf_compile", liger=name == "hf_liger")
+    if name.startswith("torchtitan"):
+        return _titan(args, compat=name == "torchtitan_compat", tmp=tmp)
+    overrides = ["model.fused_kernels=auto", f"train.seed={args.seed}",
+                 *([f"model.num_layers={args.num_layers}"] if args.num_layers else [])]
     if name.startswith("loong_fp8_"):
         overrides.append(f"precision.fp8={name.removeprefix('loong_fp8_')}")
     if args.profile:
@@ -267,10 +332,12 @@ def _run_row(name: str, args: argparse.Namespace, tmp: Path) -> dict:
     return _loong(args, tmp, tuple(overrides), run_name=name)
 
 
-def table(rows: dict[str, dict], labels: dict[str, str], baselines: dict[str, str]) -> list[str]:
+def table(rows: dict[str, dict], labels: dict[str, str], baselines: dict[str, str | tuple[str, ...]]) -> list[str]:
     """The rows' table: label, tokens/s, MFU, peak memory, the last and the last-20 loss, and tokens/s against each
-    baseline row (``{"vs HF": "hf_eager"}``: a column per baseline, ``-`` where that row is missing or failed)."""
-    bases = {title: rows.get(name, {}) for title, name in baselines.items()}
+    baseline row (``{"vs HF": "hf_eager"}``: a column per baseline, ``-`` where that row is missing or failed; a
+    tuple of rows: the first of them that ran)."""
+    bases = {title: _first_ok(rows, (names,) if isinstance(names, str) else names)
+             for title, names in baselines.items()}
     widths = {title: max(8, len(title) + 2) for title in baselines}
     lines = [f"{'row':<34}{'tokens/s':>10}{'MFU':>8}{'peak GiB':>10}{'loss@end':>10}{'last-20':>9}"
              + "".join(f"{title:>{widths[title]}}" for title in baselines)]
@@ -288,10 +355,27 @@ def table(rows: dict[str, dict], labels: dict[str, str], baselines: dict[str, st
     return lines
 
 
+def _first_ok(rows: dict[str, dict], names: tuple[str, ...]) -> dict:
+    """The first of ``names`` that is a row of ``rows`` without an error (``{}`` if none)."""
+    return next((rows[n] for n in names if n in rows and "error" not in rows[n]), {})
+
+
 def _targets(rows: dict[str, dict]) -> dict:
-    """The issue's targets, checked on whatever rows are present."""
+    """The issues' targets, checked on whatever rows are present: issue 7's (Loong bf16 against HF eager, FP8 against
+    bf16) and issue 26's (Loong bf16 >= 1.5x HF + Liger and >= 1.2x torchtitan; the best Loong row too)."""
     ok = {k: v for k, v in rows.items() if "error" not in v}
     out: dict = {}
+    loong = {k: v for k, v in ok.items() if k.startswith("loong_")}
+    for key, names, need in (("liger", ("hf_liger",), 1.5), ("torchtitan", ("torchtitan", "torchtitan_compat"), 1.2)):
+        peer = next((n for n in names if n in ok), None)
+        if peer and "loong_bf16" in ok:
+            out[f"bf16_speedup_vs_{key}"] = round(ok["loong_bf16"]["tokens_per_s"] / ok[peer]["tokens_per_s"], 3)
+            out[f"bf16_vs_{key}_target_met"] = out[f"bf16_speedup_vs_{key}"] >= need
+        if peer and loong:
+            best = max(loong, key=lambda k: loong[k]["tokens_per_s"])
+            out[f"best_loong_vs_{key}"] = [best, round(loong[best]["tokens_per_s"] / ok[peer]["tokens_per_s"], 3)]
+        if peer:
+            out[f"{key}_row"] = peer
     hf, bf16 = ok.get("hf_eager"), ok.get("loong_bf16")
     if hf and bf16:
         out["bf16_speedup_vs_hf_eager"] = round(bf16["tokens_per_s"] / hf["tokens_per_s"], 3)
@@ -350,7 +434,8 @@ def run_rows(args: argparse.Namespace, run_row: Callable[[str, argparse.Namespac
 
 def settings_line(args: argparse.Namespace) -> str:
     """The table's heading: the shape and batch every row ran."""
-    return (f"{args.preset}  seq={args.seq} micro-batch={args.mbs} global-batch={args.gbs} steps={args.steps} "
+    layers = f" ({args.num_layers} layers)" if getattr(args, "num_layers", None) else ""
+    return (f"{args.preset}{layers}  seq={args.seq} micro-batch={args.mbs} global-batch={args.gbs} steps={args.steps} "
             f"(tokens/s: median after step {args.warmup})")
 
 
@@ -377,15 +462,28 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_settings(p)
     p.add_argument("--rows", nargs="+", default=list(ROWS), choices=list(ROWS))
+    p.add_argument("--num-layers", type=int, default=None,
+                   help="the preset's widths with this many layers (model.num_layers), e.g. llama3_8b with 8")
     p.add_argument("--profile", type=int, nargs=2, metavar=("START", "END"), default=None,
                    help="torch.profiler over these steps of every Loong row; top operators go into the JSON")
     p.add_argument("--merge", default=None, help="an earlier result JSON to add these rows to")
     p.add_argument("--out", default=None, help="JSON path (default: results/llm_throughput_<gpu>_<preset>_<date>.json)")
-    p.add_argument("--hf-worker", action="store_true", help=argparse.SUPPRESS)
-    p.add_argument("--compile", action="store_true", help=argparse.SUPPRESS)
+    for flag in ("--hf-worker", "--compile", "--liger", "--titan-worker", "--titan-compat", "--titan-no-cuda-graphs",
+                 "--titan-no-compile"):
+        p.add_argument(flag, action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--titan-dump", default="outputs/torchtitan", help=argparse.SUPPRESS)
+    p.add_argument("--titan-loss", choices=["chunked", "ce"], default=None,
+                   help="torchtitan rows' loss: its ChunkedLossWrapper (torchtitan's default) or plain "
+                        "CrossEntropyLoss (default: chunked for torchtitan, ce for torchtitan_compat; _llm_peers.py "
+                        "says why)")
     args = p.parse_args()
     if args.hf_worker:
         _hf_worker(args)
+        return
+    if args.titan_worker:
+        from _llm_peers import titan_worker
+
+        titan_worker(args)
         return
     if args.gbs % args.mbs:
         p.error(f"--gbs {args.gbs} is not a multiple of --mbs {args.mbs}")
@@ -394,26 +492,28 @@ def main() -> None:
     if args.merge:
         earlier = json.loads(Path(args.merge).read_text())
         # files from before --data existed were measured on the shipped corpus
-        before = {"data": "shipped", "seed": 1234, **earlier["args"]}
-        differ = {k: (before[k], getattr(args, k)) for k in SETTINGS if before[k] != getattr(args, k)}
+        before = {"data": "shipped", "seed": 1234, "num_layers": None, **earlier["args"]}
+        differ = {k: (before[k], getattr(args, k)) for k in (*SETTINGS, "num_layers") if before[k] != getattr(args, k)}
         if differ:
             p.error(f"--merge {args.merge}: settings differ (earlier, now): {differ}")
         rows, commands = earlier["rows"], earlier["commands"]
     corpus = run_rows(args, _run_row, rows)
     rows = {k: rows[k] for k in ROWS if k in rows}
     command = " ".join(["python", "benchmarks/" + Path(sys.argv[0]).name, *sys.argv[1:]])
-    lines = table(rows, ROWS, {"vs HF": "hf_eager", "vs bf16": "loong_bf16"})
+    lines = table(rows, ROWS, BASELINES)
     print(f"\n{settings_line(args)}\n" + "\n".join(lines))
     targets = _targets(rows)
     print(json.dumps(targets, indent=1))
     hw = host()
     tag = (hw.get("gpu") or "cpu").split()[-1].lower()
-    out = Path(args.merge or args.out or RESULTS / f"llm_throughput_{tag}_{args.preset}_{time.strftime('%Y%m%d')}.json")
+    shape = args.preset + (f"_{args.num_layers}l" if args.num_layers else "")
+    out = Path(args.merge or args.out or RESULTS / f"llm_throughput_{tag}_{shape}_{time.strftime('%Y%m%d')}.json")
     result = {"benchmark": "llm_throughput", "date": time.strftime("%Y-%m-%d"), "commands": [*commands, command],
-              "args": {k: v for k, v in vars(args).items() if k not in ("hf_worker", "compile", "merge", "data_path")},
+              "args": {k: v for k, v in vars(args).items()
+                       if k in (*SETTINGS, "num_layers", "warmup", "rows", "profile", "out")},
               "corpus": corpus or (earlier.get("corpus") if args.merge else None),
               "versions": versions(["torch", "megatron-core", "transformers", "triton", "loong-core",
-                                    "loong-kernels", "loong-llm"]),
+                                    "loong-kernels", "loong-llm", "liger-kernel", "torchtitan"]),
               "hardware": hw, "table": lines, "targets": targets, "rows": rows}
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2))
