@@ -140,9 +140,6 @@ class VLMTask(MegatronTask):
         config = transformer_config(self.cfg.foundation, self.cfg.parallel, dtype,
                                     self.accelerator.megatron_config_overrides())
         config.calculate_per_token_loss = True  # gradients / all assistant tokens of the global batch
-        # encoder.decoupled: megatron's finalize_model_grads sums the gradients of parameters marked
-        # ``pipeline_parallel`` over the pipeline group (after the data-parallel reduce, before the per-token scale)
-        config.has_cond_embedder = self.cfg.encoder.decoupled and self.cfg.parallel.pp > 1
         self._megatron_config = config  # the engine's: its finalize_model_grads_func is wrapped when decoupled
         return config
 
@@ -175,9 +172,8 @@ class VLMTask(MegatronTask):
                 encoder.attn_impl = choose_varlen_impl(self.accelerator.capabilities())
             if c.encoder.parallel.tp > 1:
                 self._shard_encoder(encoder)
-            if decoupled:  # every replica's gradient joins the pipeline-group sum (model_config)
+            if decoupled:  # every replica's gradient joins the pipeline-group sum (DecoupledTower.sum_replica_grads)
                 for param in (*encoder.parameters(), *projector.parameters()):
-                    param.pipeline_parallel = True
                     # megatron's gradient norm (clipping) sums over the pipeline group: count the tower once, as
                     # it does the tied output weight (``shared`` on the duplicate)
                     param.shared = replica > 0 or getattr(param, "shared", False)
@@ -353,14 +349,16 @@ class VLMTask(MegatronTask):
 
     def _decoupled_step(self, batches: list[dict]) -> None:
         """``encoder.decoupled`` at pp > 1: the tower embeds the step's micro-batches on every pipeline rank
-        before the schedule (:mod:`loong.vlm.models.decoupled`); its backward runs just before megatron reduces
-        the gradients (inside the schedule's ``finalize_model_grads_func``, wrapped once here)."""
+        before the schedule (:mod:`loong.vlm.models.decoupled`); its backward and the replicas' pipeline-group
+        gradient sum run just before megatron reduces the gradients over data parallelism (inside the schedule's
+        ``finalize_model_grads_func``, wrapped once here)."""
         self.tower.forward(batches)
         config = self._megatron_config
         reduce = config.finalize_model_grads_func
         if not getattr(reduce, "vlm_tower_backward", False):
             def finalize(*args: Any, **kwargs: Any) -> Any:
                 self.tower.backward()
+                self.tower.sum_replica_grads()
                 return reduce(*args, **kwargs)
 
             finalize.vlm_tower_backward = True  # type: ignore[attr-defined]

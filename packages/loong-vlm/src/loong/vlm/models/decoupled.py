@@ -1,15 +1,17 @@
 """``encoder.decoupled=true`` at ``parallel.pp > 1``: the vision tower runs outside the pipeline schedule.
 
-Every pipeline rank holds a replica of ``encoder`` + ``projector`` (the same initial weights; its parameters are
-marked ``pipeline_parallel`` so megatron's ``finalize_model_grads`` sums their gradients over the pipeline group
-after the data-parallel reduce). All pipeline ranks of one data-parallel rank load the same micro-batches, so
-before the schedule runs, pipeline rank ``r`` embeds the media of micro-batches ``k ≡ r (mod pp)`` (keeping the
-autograd graph) and sends the embeddings to the first stage, which feeds them to the foundation as
-``visual_embeds`` / ``deepstack_embeds`` (leaf tensors). The tower is then off the pipeline's critical path: each
+Every pipeline rank holds a replica of ``encoder`` + ``projector`` (the same initial weights; their gradients are
+summed over the pipeline group by :meth:`DecoupledTower.sum_replica_grads` *before* megatron's data-parallel
+reduce: after it, the distributed optimiser's reduce-scatter leaves each rank only its own shard of the gradient
+buffer, and the replicas sit at different offsets of each stage's buffer, so a later sum would mix shards).
+All pipeline ranks of one data-parallel rank load the same micro-batches, so before the schedule runs, pipeline
+rank ``r`` embeds the media of micro-batches ``k ≡ r (mod pp)`` (keeping the autograd graph) and sends the
+embeddings to the first stage, which feeds them to the foundation as ``visual_embeds`` / ``deepstack_embeds``
+(leaf tensors). The tower is then off the pipeline's critical path: each
 stage does ``1/pp`` of it before the first micro-batch enters. After the schedule's backward and before the
 gradients are reduced, the first stage sends each leaf's gradient back to its owner, whose tower backward
-accumulates into its replica's gradient; the pipeline-group sum then makes every replica's gradient the whole
-step's (the sum over micro-batches and data-parallel ranks, as the coupled tower's).
+accumulates into its replica's gradient; the pipeline-group sum and then the data-parallel reduce make every
+replica's gradient the whole step's (the sum over micro-batches and data-parallel ranks, as the coupled tower's).
 """
 
 from __future__ import annotations
@@ -90,6 +92,24 @@ class DecoupledTower:
             if pairs:
                 torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
         self._mine, self._leaves = {}, {}
+
+    def sum_replica_grads(self) -> None:
+        """Sum the tower replicas' accumulated gradients (``main_grad``, megatron DDP's buffer) over the pipeline
+        group, in place: called after :meth:`backward` and before megatron's data-parallel reduce, when every
+        rank's buffer still holds its whole local gradient. (megatron-core's own sum for replicated parameters,
+        ``has_cond_embedder``, runs after that reduce: with ``train.distributed_optimizer=true`` only this rank's
+        shard of the buffer is reduced then, and the tower's offsets differ between stages.) The replicas are
+        built alike on every stage, so the parameters pair up in order; frozen ones have no gradient."""
+        from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+        grads = [p.main_grad for part in (self.model.encoder, self.model.projector)
+                 for p in part.parameters() if p.requires_grad]
+        if self.size == 1 or not grads:
+            return
+        summed = _flatten_dense_tensors(grads)
+        dist.all_reduce(summed, group=self.group)
+        for grad, value in zip(grads, _unflatten_dense_tensors(summed, grads), strict=True):
+            grad.copy_(value)
 
 
 __all__ = ["DecoupledTower"]
