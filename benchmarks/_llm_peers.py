@@ -35,7 +35,7 @@ torch and torchao"). On torch 2.11 its import stops at ``from torch.distributed.
 ``torchtitan_compat`` first applies ``titan_compat``: stand-ins for what is missing from torch 2.11 on the dense
 one-GPU path (each one listed in the row's JSON), and nothing else of torchtitan's code changes. Its loss is
 torchtitan's unchunked ``CrossEntropyLoss`` (``--titan-loss chunked`` to try the default): on torch 2.11 (seen on
-the CPU) the ``ChunkedLossWrapper``'s backward through FSDP2 fails. It reshards the ``[tok_embeddings, norm,
+the CPU and on an H200, with and without CUDA graphs) the ``ChunkedLossWrapper``'s backward through FSDP2 fails. It reshards the ``[tok_embeddings, norm,
 lm_head]`` (untied: ``[norm, lm_head]``) FSDP group after its chunks, and the backward through the final norm then
 meets a freed parameter ("The tensor has a non-zero number of elements, but its data is not allocated yet");
 without that reshard, FSDP's reduce-scatter meets mixed bf16/fp32 gradients.

@@ -344,7 +344,9 @@ def table(rows: dict[str, dict], labels: dict[str, str], baselines: dict[str, st
     for name, r in rows.items():
         label = labels.get(name, name)
         if "error" in r:
-            lines.append(f"{label:<34}  failed: {r['error'].strip().splitlines()[-1][:70]}")
+            err = r["error"].strip().splitlines() or [""]
+            err = next((x for x in reversed(err) if "Error" in x), err[-1]).removeprefix("[rank0]: ")
+            lines.append(f"{label:<34}  failed: {err[:90]}")
             continue
         mfu = f"{r['mfu']:.1%}" if r.get("mfu") is not None else "-"
         mem = f"{r['peak_memory_gib']:.1f}" if r.get("peak_memory_gib") is not None else "-"
