@@ -36,15 +36,20 @@ def _grad_err(got: dict, ref: dict) -> float:
     return max(float((got[k] - g).abs().max() / g.abs().max().clamp(min=1e-12)) for k, g in ref.items())
 
 
+def launch(worker: Path, root: Path, nproc: int) -> dict:
+    """Run ``worker ROOT`` on ``nproc`` gloo processes (torchrun) and return the ``ROOT/result.pt`` it saves."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "LOONG_SINGLE_PROCESS")}
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+                           str(worker), str(root)], capture_output=True, text=True, timeout=900, env=env)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return torch.load(root / "result.pt", weights_only=False)
+
+
 @pytest.fixture(scope="module")
 def layouts(tmp_path_factory: pytest.TempPathFactory) -> dict:
     root = tmp_path_factory.mktemp("vlm_layouts")
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "LOONG_SINGLE_PROCESS")}
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-                           str(WORKER), str(root)], capture_output=True, text=True, timeout=900, env=env)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    result = torch.load(root / "result.pt", weights_only=False)
+    result = launch(WORKER, root, 2)
     result["root"] = root
     return result
 
