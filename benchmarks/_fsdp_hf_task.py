@@ -1,6 +1,6 @@
 """The fsdp-engine task of ``benchmarks/fsdp_engine.py``: HF's ``LlamaForCausalLM`` trained as it is.
 
-The model is built by ``llm_throughput.hf_llama`` (the HF row's own builder: the same config, seed and weights),
+The model is built by ``llm_throughput.hf_model`` (the HF row's own builder: the same config, seed and weights),
 optionally with loong-kernels' fused modules swapped in (:mod:`loong.llm.hf_fused`); the data are the HF row's
 windows in its order (``llm_throughput.corpus_windows`` / ``microbatch``) and the loss is its loss
 (``llm_throughput.lm_loss``, or the same cross-entropy from the fused head). Imported by the benchmark's worker
@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from llm_throughput import corpus_windows, hf_llama, lm_loss, microbatch
+from llm_throughput import corpus_windows, hf_model, lm_loss, microbatch
 from torch import nn
 
 from loong.core.config.schema import RunConfig
@@ -48,7 +48,7 @@ class HFLlamaTask(FSDPTask):
         self.train, self.valid, self.order = corpus_windows(self.cfg.data, self.cfg.data.path, t.seq_length, t.seed)
 
     def build_model(self) -> nn.Module:
-        model = hf_llama(self.cfg.model, self.cfg.train.seed)
+        model = hf_model(self.cfg.model, self.cfg.train.seed)
         if self.cfg.fused_reference:
             plan = FusedKernels.everything("reference")
         else:

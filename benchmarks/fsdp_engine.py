@@ -9,7 +9,7 @@ its own process (clean memory statistics). Rows:
 - ``hf_eager``: llm_throughput's HF row (``LlamaForCausalLM``, SDPA, fp32 weights under bf16 autocast, its own loop);
 - ``loong_megatron``: ``loong-llm train`` (llm_throughput's ``loong_bf16``: megatron-core, loong-kernels' fused
   kernels where available);
-- ``fsdp_eager``: the HF row's very model (``llm_throughput.hf_llama``: same config, seed and weights) trained by
+- ``fsdp_eager``: the HF row's very model (``llm_throughput.hf_model``: same config, seed and weights) trained by
   loong-core's fsdp engine through ``loong.core.run.run`` (``benchmarks/_fsdp_hf_task.py``: the same windows in the
   same order, the same loss); FSDP2 over one GPU, bf16 mixed precision (bf16 compute and residual stream, fp32
   master weights and gradient reduction; where HF's autocast keeps an fp32 residual stream), ``train.compile`` off;

@@ -189,13 +189,6 @@ def hf_model(m: DenseModelConfig, seed: int) -> PreTrainedModel:
     return cls(hf_cfg).train()
 
 
-def hf_llama(m: DenseModelConfig, seed: int) -> PreTrainedModel:
-    """``hf_model`` for a LLaMA-family ``m`` (the name fsdp_engine.py and _fsdp_hf_task.py import)."""
-    if m.family != "llama":
-        raise ValueError(f"hf_llama: model.family={m.family!r}; use hf_model")
-    return hf_model(m, seed)
-
-
 def corpus_windows(d: DataConfig, data_path: str | None, seq: int, seed: int
                    ) -> tuple[PackedTokens, PackedTokens, GlobalBatchSampler]:
     """loong-llm's tokenised corpus (``data_path``, else the packaged one) as ``(train, valid, sampler)``: windows of
