@@ -86,6 +86,19 @@ def test_train_bad_input(cli, corpus: Path, override: str, expected: str) -> Non
     assert expected.format(d=corpus) in msg and len(msg) < 500, msg
 
 
+@pytest.mark.parametrize("value,expected", [
+    ("reach_c", "train.save_lerobot_dataset=reach_c: 'reach_c' names none of data.repo_root's datasets "
+                "(0: not_a_dataset, 1: v21)"),
+    ("2", "train.save_lerobot_dataset=2: 2 is not one of data.repo_root's 2 dataset(s) (0: not_a_dataset, 1: v21)"),
+], ids=["name", "index"])
+def test_train_save_lerobot_dataset_naming_no_dataset_of_the_mix(cli, corpus: Path, value: str,
+                                                                  expected: str) -> None:
+    """Checked before the datasets are read (these two folders are not even datasets) or anything is written."""
+    msg = cli("train", f"data.repo_root=[{corpus}/not_a_dataset,{corpus}/v21]", "train.save_lerobot=true",
+              f"train.save_lerobot_dataset={value}")
+    assert expected in msg and len(msg) < 500, msg
+
+
 @pytest.mark.parametrize("policy,processor_class,config_class", [
     ("pi05", "Pi05Processor", "Pi05Config"), ("groot_n1_7", "GrootN17Processor", "GrootN17Config"),
     ("groot_n1_6", "GrootN16Processor", "GrootN16Config")])

@@ -1,10 +1,12 @@
 """Export and serving of a policy trained on a MIX (CPU, tiny GR00T N1.7, offline), one in-process run shared:
 two synthetic reach datasets whose statistics differ (``b``'s actions scaled by 3), ``data.embodiment_ids=[5,7]``
-(ids no lerobot tag names), ``train.save_lerobot=true``.
+(ids no lerobot tag names), ``train.save_lerobot=true train.save_lerobot_dataset=reach_b``.
 
 - export: the lerobot folder carries the CHOSEN dataset's min/max statistics (oracle: that dataset's
-  ``meta/stats.json``) and embodiment id (``train.save_lerobot``: the first, with a log line listing the choices;
-  ``convert --dataset-index``: another); a bad index exits 2 with nothing written;
+  ``meta/stats.json``) and embodiment id (``train.save_lerobot_dataset=reach_b``: the second, the same folder byte
+  for byte as ``convert --dataset-index 1`` of the run's checkpoint; ``convert`` without it: the first; both with a
+  log line listing the choices); a bad index exits 2 with nothing written; ``train.save_lerobot_dataset`` resolves
+  an index, a name or a folder as ``--dataset-index`` does (the same function);
 - relocation: no absolute path in the folder; moved elsewhere it loads in lerobot 0.6.1 offline (from inside the
   folder, where lerobot resolves relative paths) with Loong's loss for that dataset's samples, and in Loong;
 - serve: a client's ``embodiment_id`` reaches the per-embodiment heads end to end (openpi-client over the
@@ -90,7 +92,8 @@ def mix(tmp_path_factory: pytest.TempPathFactory):
         export_logger = logging.getLogger("loong.embodied.lerobot_io")
         export_logger.addHandler(handler)
         try:
-            rc, log = _main("train", f"output_dir={out}", f"data.repo_root=[{a},{b}]", *TRAIN)
+            rc, log = _main("train", f"output_dir={out}", f"data.repo_root=[{a},{b}]", *TRAIN,
+                            "train.save_lerobot_dataset=reach_b")
         finally:
             export_logger.removeHandler(handler)
         assert rc == 0, log[-4000:]
@@ -123,17 +126,27 @@ def _assert_stats_of(step_stats: dict, dataset_stats: dict, keys=("observation.s
             torch.testing.assert_close(got, expected, atol=0, rtol=0)
 
 
+def _same_tree(ours: Path, theirs: Path) -> None:
+    """Two folders with the same files, byte for byte."""
+    names = sorted(p.relative_to(ours) for p in ours.rglob("*") if p.is_file())
+    assert names == sorted(p.relative_to(theirs) for p in theirs.rglob("*") if p.is_file())
+    for name in names:
+        assert (ours / name).read_bytes() == (theirs / name).read_bytes(), name
+
+
 def test_the_export_carries_the_chosen_datasets_statistics_and_embodiment(mix, tmp_path: Path, caplog) -> None:
     a_act, b_act = (np.asarray(s["action"]["max"]) - np.asarray(s["action"]["min"]) for s in mix.stats)
     assert np.all(np.abs(b_act - a_act) > 0.2 * a_act)  # else the check below could not tell the datasets apart
+    # train.save_lerobot_dataset=reach_b: the training's own export is the second dataset's, the choices logged
     assert "trained on 2 datasets (0: reach_a (embodiment 5), 1: reach_b (embodiment 7))" in mix.log
-    assert "this one is for dataset 0 (reach_a)" in mix.log and "--dataset-index" in mix.log
-    dst = tmp_path / "for_b"
+    assert "this one is for dataset 1 (reach_b)" in mix.log and "train.save_lerobot_dataset" in mix.log
+    # (convert --dataset-index 1 of the run's checkpoint writes the same folder bit for bit: the next test)
+    first = tmp_path / "default"
     with caplog.at_level(logging.WARNING, logger="loong.embodied.lerobot_io"):
-        rc, log = _main("convert", str(mix.run_dir), str(dst), "--dataset-index", "reach_b")
+        rc, log = _main("convert", str(mix.run_dir), str(first))
     assert rc == 0, log[-3000:]
-    assert "this one is for dataset 1 (reach_b)" in caplog.text
-    for folder, index in ((mix.run_dir / "lerobot", 0), (dst, 1)):
+    assert "this one is for dataset 0 (reach_a)" in caplog.text and "--dataset-index" in caplog.text
+    for folder, index in ((mix.run_dir / "lerobot", 1), (first, 0)):
         config, _pre, pack, unpack = _lerobot_pipelines(folder)
         _assert_stats_of(pack.stats, mix.stats[index])
         _assert_stats_of(unpack.stats, mix.stats[index], keys=("action",))
@@ -141,8 +154,37 @@ def test_the_export_carries_the_chosen_datasets_statistics_and_embodiment(mix, t
         assert config.embodiment_tag == pack.embodiment_tag == f"loong_embodiment_{IDS[index]}"
     bad = tmp_path / "bad"
     rc, log = _main("convert", str(mix.run_dir), str(bad), "--dataset-index", "2")
-    assert rc == 2 and "--dataset-index: 2 is not one of the policy's 2 dataset(s)" in log, log[-3000:]
+    assert rc == 2 and "--dataset-index: 2 is not one of the policy's 2 dataset(s) (0: reach_a, 1: reach_b)" in log, \
+        log[-3000:]
     assert not bad.exists()
+
+
+def test_save_lerobot_dataset_resolves_as_dataset_index_does(tmp_path: Path, monkeypatch) -> None:
+    """``train.save_lerobot_dataset`` against ``data.repo_root`` (checked before training, no dataset read): an
+    index, a folder name, the folder (absolute or relative) name the same dataset; null is the export's default."""
+    from loong.core.errors import LoongError
+    from loong.embodied.schema import EmbodiedDataConfig
+    from loong.embodied.task import lerobot_export_dataset
+
+    for name in ("reach_a", "reach_b"):
+        (tmp_path / name).mkdir()
+    monkeypatch.chdir(tmp_path)
+
+    def index(value, roots=(str(tmp_path / "reach_a"), "reach_b")):
+        cfg = SimpleNamespace(train=SimpleNamespace(save_lerobot_dataset=value),
+                              data=EmbodiedDataConfig(repo_root=list(roots)))
+        return lerobot_export_dataset(cfg)
+
+    assert index(None) is None
+    assert index(0) == index("0") == index("reach_a") == index(str(tmp_path / "reach_a")) == 0
+    assert index(1) == index("reach_b") == index("./reach_b") == index(str(tmp_path / "reach_b")) == 1
+    for value, text in ((2, "train.save_lerobot_dataset=2: 2 is not one of data.repo_root's 2 dataset(s) "
+                            "(0: reach_a, 1: reach_b)"),
+                        ("reach_c", "train.save_lerobot_dataset=reach_c: 'reach_c' names none of data.repo_root's "
+                                    "datasets (0: reach_a, 1: reach_b)")):
+        with pytest.raises(LoongError) as err:
+            index(value)
+        assert str(err.value) == text
 
 
 def _raw_batch(processor, seed: int) -> dict:
@@ -157,8 +199,10 @@ def _raw_batch(processor, seed: int) -> dict:
 
 
 def test_a_moved_export_loads_in_lerobot_and_in_loong(mix, tmp_path: Path) -> None:
-    """No absolute path inside; moved whole, lerobot (working directory: the folder) gives Loong's loss on
-    dataset 1's samples (its statistics and embodiment), and Loong's importer reads it from anywhere."""
+    """``convert --dataset-index 1`` of the run's checkpoint is the training's own export
+    (``train.save_lerobot_dataset=reach_b``) byte for byte. No absolute path inside; moved whole, lerobot (working
+    directory: the folder) gives Loong's loss on dataset 1's samples (its statistics and embodiment), and Loong's
+    importer reads it from anywhere."""
     from lerobot.policies.groot.modeling_groot import GrootPolicy
 
     from loong.embodied.inference import load_policy
@@ -167,6 +211,7 @@ def test_a_moved_export_loads_in_lerobot_and_in_loong(mix, tmp_path: Path) -> No
     first = tmp_path / "first"
     rc, log = _main("convert", str(mix.run_dir), str(first), "--dataset-index", "1")
     assert rc == 0, log[-3000:]
+    _same_tree(mix.run_dir / "lerobot", first)  # train.save_lerobot_dataset=reach_b's export, byte for byte
     for path in first.rglob("*.json"):
         text = path.read_text()
         assert str(tmp_path) not in text and str(mix.base) not in text, path

@@ -40,7 +40,8 @@ def _presets_epilog() -> str:
         "  data.{repo_root,weights,cameras,num_workers,video_backend,on_error} (repo_root: one LeRobotDataset v3",
         "  folder or a list; null: the synthetic reach task, data.synthetic_{episodes,seed,videos}),",
         "  train.{steps,global_batch_size,micro_batch_size,lr,...}, train.ema_decay=0.999 (EMA of the weights),",
-        "  train.save_lerobot=true (+ train.export_ema=true: the EMA) writes <run>/lerobot/,",
+        "  train.save_lerobot=true (+ train.export_ema=true: the EMA) writes <run>/lerobot/ (a mix: for the",
+        "  dataset train.save_lerobot_dataset=N|NAME names, default the first),",
         "  parallel.{fsdp,dp_shard,dp_replicate}, output_dir, run_name",
     ]
     return "\n".join(lines)

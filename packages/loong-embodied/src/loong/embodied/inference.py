@@ -36,7 +36,7 @@ import contextlib
 import json
 import warnings
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -228,24 +228,33 @@ def expected_cameras(processor: PolicyProcessor) -> list[str] | None:
     return None if keys is None else list(keys)
 
 
-def resolve_source(processor: Any, source: int | str | None, what: str = "source") -> int:
-    """The dataset index that ``source`` names in a mix-trained processor's sources (an index, a dataset folder
-    or its name; None: 0, the first dataset); ``what`` names the option in errors."""
-    sources = getattr(processor, "sources", None) or []
+def resolve_dataset(records: Sequence[Mapping[str, Any]], source: int | str | None, what: str = "source",
+                    of: str = "the policy's") -> int:
+    """The dataset index that ``source`` names among ``records``, a mix's datasets in order (each with its ``root``
+    and ``name``, as ``sources.json`` holds them; empty: one dataset, no names): an index, a dataset folder or its
+    name; None: 0, the first dataset. ``what`` names the option (or ``key=value``) in errors, ``of`` whose datasets
+    these are. The one resolution of ``convert --dataset-index``, ``eval`` / ``serve --source`` and
+    ``train.save_lerobot_dataset``."""
     if source is None:
         return 0
-    n = max(len(sources), 1)
+    n = max(len(records), 1)
+    known = ", ".join(f"{i}: {r.get('name')}" for i, r in enumerate(records))
     if isinstance(source, int) or (isinstance(source, str) and source.isdigit()):
         index = int(source)
         if not 0 <= index < n:
-            raise LoongError(f"{what}: {index} is not one of the policy's {n} dataset(s) (0..{n - 1})")
+            raise LoongError(f"{what}: {index} is not one of {of} {n} dataset(s) ({known or f'0..{n - 1}'})")
         return index
-    for i, record in enumerate(sources):
+    for i, record in enumerate(records):
         if source in (record.get("root"), record.get("name")) or (
                 record.get("root") and Path(str(source)).expanduser().resolve() == Path(record["root"])):
             return i
-    known = ", ".join(f"{i}: {r.get('name')}" for i, r in enumerate(sources)) or "one dataset, no names recorded"
-    raise LoongError(f"{what}: {source!r} names none of the policy's datasets ({known})")
+    raise LoongError(f"{what}: {source!r} names none of {of} datasets ({known or 'one dataset, no names recorded'})")
+
+
+def resolve_source(processor: Any, source: int | str | None, what: str = "source") -> int:
+    """The dataset index that ``source`` names in a mix-trained processor's sources (:func:`resolve_dataset`: an
+    index, a dataset folder or its name; None: 0, the first dataset); ``what`` names the option in errors."""
+    return resolve_dataset(getattr(processor, "sources", None) or [], source, what)
 
 
 class PolicyRunner:
@@ -385,4 +394,4 @@ def env_observation(observation: Mapping[str, Any], task: str | None = None) -> 
 
 __all__ = ["DTYPES", "POLICY_DIR", "POLICY_FILE", "LoadedPolicy", "PolicyRunner", "env_observation",
            "expected_cameras", "image_tensor", "load_policy", "locate_policy", "pick_device", "pick_dtype",
-           "read_policy_file", "read_weights", "weight_sources"]
+           "read_policy_file", "read_weights", "resolve_dataset", "resolve_source", "weight_sources"]

@@ -12,8 +12,8 @@ stateful step (the normaliser's statistics). Everything policy-specific comes fr
 A policy trained on a mix of datasets (``data.repo_root`` a list) normalises each sample with its own dataset's
 statistics and, for GR00T, routes it to its dataset's embodiment; a lerobot policy folder holds one set of
 statistics and one embodiment (lerobot 0.6.1's normaliser and GR00T pack step each carry a single ``stats``
-and ``embodiment_tag``), so an export is for one dataset of the mix: ``source`` (``convert --dataset-index``;
-default: the first), logged with the choices. ``to_lerobot`` and ``lerobot_processors`` take it as ``source``.
+and ``embodiment_tag``), so an export is for one dataset of the mix: ``source`` (``convert --dataset-index``,
+``train.save_lerobot_dataset``; default: the first), logged with the choices. ``to_lerobot`` and ``lerobot_processors`` take it as ``source``.
 
 Conversions stream (issue 25): an export reads the checkpoint one tensor at a time (:class:`CheckpointWeights`) and
 writes lerobot's single ``model.safetensors`` one tensor at a time (the core's ``write_safetensors``); an import
@@ -83,7 +83,8 @@ def _export_source(processor: PolicyProcessor, source: int | str | None) -> int:
                             for i, r in enumerate(sources))
         logger.warning("lerobot export: the policy was trained on %d datasets (%s); a lerobot folder holds one "
                        "dataset's statistics and embodiment, so this one is for dataset %d (%s); choose another "
-                       "with `loong-embodied convert RUN DST --dataset-index N`", len(sources), choices, index,
+                       "with train.save_lerobot_dataset=N|NAME (training) or `loong-embodied convert RUN DST "
+                       "--dataset-index N|NAME`", len(sources), choices, index,
                        sources[index].get("name"))
     return index
 

@@ -150,10 +150,17 @@ class EmbodiedDataConfig:
 @dataclass
 class EmbodiedTrainConfig(TrainConfig):
     """The core schedule; ``save_lerobot``: after training, the trained policy (``train.export_ema``: its moving
-    averages) as a lerobot policy folder ``<run>/lerobot/`` that lerobot's ``from_pretrained`` loads."""
+    averages) as a lerobot policy folder ``<run>/lerobot/`` that lerobot's ``from_pretrained`` loads.
+    ``save_lerobot_dataset``: for a policy trained on a mix (``data.repo_root`` a list), the dataset whose
+    normalisation statistics and embodiment that folder carries (a lerobot folder holds one dataset's): its index in
+    ``data.repo_root``, its folder or its folder name, as ``loong-embodied convert --dataset-index`` takes them
+    (null: the first, with a log line listing the choices). A value that names none of the datasets stops the run
+    before anything is written (the task's ``check_config``)."""
 
     # loong-embodied's name for the core's save_hf: one export, two spellings
     save_lerobot: Annotated[bool, KEEPS_RUN] = False
+    save_lerobot_dataset: Annotated[int | str | None, Check(
+        note="an index of data.repo_root, a dataset folder or its name; null: the first"), KEEPS_RUN] = None
 
     def validate(self, path: str) -> None:
         super().validate(path)

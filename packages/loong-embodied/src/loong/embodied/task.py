@@ -78,6 +78,24 @@ def check_lerobot_export(spec: PolicySpec, config: PolicyConfig) -> None:
             raise LoongError(f"train.save_lerobot=true: {exc}") from None
 
 
+def lerobot_export_dataset(cfg: Any) -> int | None:
+    """``train.save_lerobot_dataset``: the index of the dataset of ``data.repo_root`` it names (None: unset, the
+    export's default, the first), resolved as ``convert --dataset-index`` resolves
+    (:func:`~loong.embodied.inference.resolve_dataset`) against the records a mix's processor saves (each dataset's
+    folder, resolved, and its name: ``data.normalize.source_record``); a LoongError naming the key, the value and
+    the datasets when it names none."""
+    value = cfg.train.save_lerobot_dataset
+    if value is None:
+        return None
+    from loong.core.config.checks import show
+    from loong.embodied.inference import resolve_dataset
+
+    roots = [Path(r).expanduser().resolve() for r in cfg.data.roots() or []]
+    records = [{"root": str(root), "name": root.name} for root in roots]
+    return resolve_dataset(records, value, f"train.save_lerobot_dataset={show(value)}",
+                           of="data.repo_root's" if roots else "the run's")
+
+
 def is_lerobot_folder(path: Path) -> bool:
     """Whether ``path`` is a lerobot policy folder (``config.json`` + ``model.safetensors``)."""
     return (path / "config.json").is_file() and (path / "model.safetensors").is_file()
@@ -175,6 +193,7 @@ class VLATask(FSDPTask):
         from loong.embodied.data.mix import check_embodiment_ids
 
         check_embodiment_ids(cfg.data.embodiment_ids, cfg.model.policy_config())
+        lerobot_export_dataset(cfg)  # a dataset of the mix, or exit 2 naming the key and the datasets
         if cfg.train.save_lerobot:
             check_lerobot_export(spec, cfg.model.policy_config())
         if cfg.model.init_from is not None and getattr(cfg.model.policy_config(), "base_model_path", None):
@@ -333,7 +352,7 @@ class VLATask(FSDPTask):
 
     def export(self, model: nn.Module, out_dir: Path) -> Path | None:
         """``train.save_lerobot``: the trained policy as a lerobot policy folder ``<run>/lerobot/`` (collective:
-        every rank gathers, the logging rank writes)."""
+        every rank gathers, the logging rank writes), for the dataset ``train.save_lerobot_dataset`` names."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
         state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
@@ -342,7 +361,7 @@ class VLATask(FSDPTask):
         from loong.embodied.lerobot_io import export_lerobot
 
         return export_lerobot(self.spec.name, self.policy_config, dict(state), self.processor,
-                              out_dir.parent / "lerobot")
+                              out_dir.parent / "lerobot", source=lerobot_export_dataset(self.cfg))
 
     # --- accounting --------------------------------------------------------------------------
     def tokens_per_step(self) -> int:
@@ -351,5 +370,5 @@ class VLATask(FSDPTask):
 
 
 __all__ = ["EVAL_OFFSET", "POLICY_DIR", "POLICY_JSON", "SEED_KEY", "VLATask", "check_initial_weights",
-           "check_lerobot_export", "is_lerobot_folder", "draw_seed", "load_initial_weights",
-           "write_policy_dir"]
+           "check_lerobot_export", "is_lerobot_folder", "draw_seed", "lerobot_export_dataset",
+           "load_initial_weights", "write_policy_dir"]
