@@ -527,6 +527,8 @@ def _loong_row(shape: Shape, args: argparse.Namespace, tmp: Path, extra: list[st
                  f"train.precision={'bf16' if gpu else 'fp32'}", "train.eval_interval=0", "train.eval_iters=0",
                  "train.save_final=false", "train.progress=false", "train.log_interval=1", "train.resume=none",
                  f"output_dir={tmp / 'out'}", "run_name=loong", *extra]
+    if args.profile:
+        overrides.append(f"train.profile_steps=[{args.profile[0]},{args.profile[1]}]")
     result = train(CONFIG_MODULE, CONFIG_NAME, overrides, VLMRunConfig)
     recs = [json.loads(x) for x in (result.run_dir / "metrics.jsonl").read_text().splitlines()]
     recs = [r for r in recs if "train_loss" in r]
@@ -534,6 +536,9 @@ def _loong_row(shape: Shape, args: argparse.Namespace, tmp: Path, extra: list[st
     peak = max((r.get("peak_memory_gib") or 0.0) for r in recs) or None
     out = figures(shape, args, [times[0], *times], [r["train_loss"] for r in recs], peak)
     out["overrides"] = overrides
+    ops = result.run_dir / "profile" / "ops.txt"
+    if ops.exists():
+        out["profile_ops"] = ops.read_text().splitlines()[:45]
     return out
 
 
@@ -582,7 +587,8 @@ def _worker(args: argparse.Namespace) -> None:
 
 def _run(name: str, model: str, args: argparse.Namespace) -> dict:
     cmd = [sys.executable, __file__, f"--worker={name}", f"--model={model}",
-           *[f"--{k.replace('_', '-')}={getattr(args, k)}" for k in SETTINGS]]
+           *[f"--{k.replace('_', '-')}={getattr(args, k)}" for k in SETTINGS],
+           *(["--profile", *map(str, args.profile)] if args.profile else [])]
     t0 = time.time()
     proc = run_child(cmd)
     command = " ".join(["python", "benchmarks/" + Path(__file__).name, *cmd[2:]])
@@ -634,6 +640,9 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=None, help="steps left out of the medians (default: 4 / 1)")
     p.add_argument("--lr", type=float, default=1e-5)
     p.add_argument("--seed", type=int, default=0, help="initialisation and data seed")
+    p.add_argument("--profile", type=int, nargs=2, metavar=("START", "END"), default=None,
+                   help="torch.profiler over these steps (1-based) of every Loong row; its top operators and the "
+                        "window's device-busy line go into the JSON")
     p.add_argument("--merge", default=None, help="an earlier result JSON (same settings) to add these rows to")
     p.add_argument("--out", default=None, help="JSON path (default: results/vlm_throughput_<gpu>_<preset>_<date>.json)")
     p.add_argument("--worker", default=None, choices=list(ROWS), help=argparse.SUPPRESS)

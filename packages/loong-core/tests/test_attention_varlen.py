@@ -152,6 +152,29 @@ def test_flex_forward_equals_reference_on_cpu(causal: bool) -> None:
     assert torch.isneginf(flex_lse[~real]).all() and torch.isneginf(ref_lse[~real]).all()
 
 
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+def test_block_masks_are_built_once_per_ids_and_rebuilt_when_the_ids_change() -> None:
+    """The layers of a model pass the same ids (or views of them): one mask. New ids, ids written in place, or other
+    ids that reuse nothing: a new mask, and the output still equals the reference."""
+    from loong.core.attention.varlen import flex_document_mask
+
+    def mask(ids: torch.Tensor) -> object:
+        return flex_document_mask(ids, ids, True, S, S, batch=ids.shape[0], device=ids.device, compile=False)
+
+    doc = doc_ids()
+    first = mask(doc)
+    assert mask(doc) is first and mask(doc[:]) is first  # the same ids, and a view of them
+    assert flex_document_mask(doc, doc, False, S, S, batch=2, device=doc.device, compile=False) is not first
+    same_values = doc.clone()
+    assert mask(same_values) is not first  # other memory: built again (equal ids, equal mask contents)
+    q, k, v = (t.detach().float() for t in qkv(4, 2))
+    doc[1, 3:] = torch.where(doc[1, 3:] >= 0, 0, doc[1, 3:])  # in place: row 1 becomes one document
+    assert mask(doc) is not first
+    want = reference_varlen_attention(q, k, v, doc, causal=True)
+    got = flex_varlen_attention(q, k, v, doc, causal=True, compile=False)
+    assert torch.allclose(got, want, atol=1e-5)
+
+
 def test_implementation_follows_the_capability() -> None:
     assert choose_varlen_impl(set()) == REFERENCE
     assert choose_varlen_impl({"sdpa", "flex_attention"}) == FLEX

@@ -5,9 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+import loong.kernels.norm as norm
 from loong.kernels import KernelUnsupportedError, rms_norm, rms_norm_reference
 
-SHAPES = [(37, 300), (3, 5, 129), (5, 2)]  # rows and widths that are not multiples of the blocks
+# rows and widths that are not multiples of the blocks; (300, 16): narrow rows, many to a backward tile
+SHAPES = [(37, 300), (3, 5, 129), (5, 2), (300, 16)]
 
 
 def _inputs(shape, dtype, wdtype=None, residual=False, seed=0):
@@ -30,7 +32,10 @@ def _run(fn, x, w, r, offset=0.0, seed=1):
 
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("residual", [False, True])
-def test_fp32_matches_reference(interpret, check, shape, residual):
+@pytest.mark.parametrize("dw", ["tile", "row"])
+def test_fp32_matches_reference(interpret, check, shape, residual, dw, monkeypatch):
+    """Both ways the backward accumulates the weight gradient (norm.BWD_DW_ACCUMULATE)."""
+    monkeypatch.setattr(norm, "BWD_DW_ACCUMULATE", dw)
     x, w, r = _inputs(shape, torch.float32, residual=residual)
     outs_k, grads_k = _run(lambda *a, **k: rms_norm(*a, **k, backend="triton"), x, w, r, offset=0.5)
     outs_r, grads_r = _run(rms_norm_reference, x, w, r, offset=0.5)

@@ -35,6 +35,12 @@ except ImportError:  # pragma: no cover - Triton ships with torch on Linux
 MAX_HIDDEN = 65536  # one row lives in registers; wider rows take the reference
 BWD_PROGRAMS_PER_SM = 1  # backward grid; 1 measured fastest of 1, 2, 4, 8 on the H200 (benchmarks/kernels.py tune)
 BWD_TILING: tuple[int, int] | None = None  # (num_stages, tile elements) for tuning sweeps; None: _bwd_tiling
+BWD_MAX_ROWS = 128  # rows per backward tile at most (narrow rows, e.g. q/k norms over a 128-wide head, batch many)
+#: how the backward accumulates the weight gradient: "tile" keeps a [rows, hidden] fp32 sum in registers and
+#: reduces it over rows once per program; "row" (the kernel before 2026-12-04) reduced every tile over its rows,
+#: a cross-warp reduction per tile. benchmarks/rms_norm_sweep.py times both.
+BWD_DW_ACCUMULATE = "tile"
+FWD_ELEMS = 4096  # elements per forward program (rows batched up to it); benchmarks/rms_norm_sweep.py sweeps it
 
 
 @kernel
@@ -62,13 +68,14 @@ def _rms_fwd(X, R, Y, H, W, RSTD, n_rows, n_cols, stride_x, stride_r, stride_y, 
 
 @kernel
 def _rms_bwd(DY, DH, X, W, RSTD, DX, DW, n_rows, n_cols, rows_per_prog, stride_dy, stride_dh, stride_x,
-             stride_dx, offset, HAS_DH: tl.constexpr, COMPUTE_DW: tl.constexpr, BLOCK_M: tl.constexpr,
-             BLOCK_N: tl.constexpr, NUM_STAGES: tl.constexpr):
+             stride_dx, offset, HAS_DH: tl.constexpr, COMPUTE_DW: tl.constexpr, DW_TILE: tl.constexpr,
+             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NUM_STAGES: tl.constexpr):
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK_N)
     cmask = cols < n_cols
     w = tl.load(W + cols, mask=cmask, other=0.0).to(tl.float32) + offset
     dw = tl.zeros([BLOCK_N], dtype=tl.float32)
+    dw_tile = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)  # DW_TILE: summed over rows after the walk
     start = pid * rows_per_prog
     end = start + rows_per_prog
     # bounds from arguments (the interpreter needs plain ints); num_stages > 1 overlaps the next tile's loads
@@ -88,8 +95,13 @@ def _rms_bwd(DY, DH, X, W, RSTD, DX, DW, n_rows, n_cols, rows_per_prog, stride_d
             dx += tl.load(DH + r64 * stride_dh + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         tl.store(DX + r64 * stride_dx + cols[None, :], dx.to(DX.dtype.element_ty), mask=mask)
         if COMPUTE_DW:
-            dw += tl.sum(dy * xhat, axis=0)
+            if DW_TILE:
+                dw_tile += dy * xhat  # rows past the end loaded as 0: they add nothing
+            else:
+                dw += tl.sum(dy * xhat, axis=0)
     if COMPUTE_DW:
+        if DW_TILE:
+            dw = tl.sum(dw_tile, axis=0)
         tl.store(DW + pid * n_cols + cols, dw, mask=cmask)
 
 
@@ -100,11 +112,11 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1, t.shape[-1])
 
 
-def _config(n_cols: int, elems: int) -> tuple[int, int, int]:
-    """Rows per tile so that a tile holds about ``elems`` elements: short rows are batched to keep enough
-    bytes in flight per program (the backward walks its rows one tile after another)."""
+def _config(n_cols: int, elems: int, max_rows: int = 16) -> tuple[int, int, int]:
+    """Rows per tile (at most ``max_rows``) so that a tile holds about ``elems`` elements: short rows are batched
+    to keep enough bytes in flight per program (the backward walks its rows one tile after another)."""
     block_n = next_pow2(n_cols)
-    block_m = max(1, min(16, elems // block_n))
+    block_m = max(1, min(max_rows, elems // block_n))
     return block_m, block_n, warps_for(block_m * block_n)
 
 
@@ -129,7 +141,7 @@ class _RMSNormFn(torch.autograd.Function):
         h = torch.empty_like(x2) if residual is not None else None
         r2 = _rows(residual) if residual is not None else None
         rstd = torch.empty(n_rows, dtype=torch.float32, device=x.device)
-        block_m, block_n, warps = _config(n_cols, 4096)
+        block_m, block_n, warps = _config(n_cols, FWD_ELEMS)
         if n_rows:
             _rms_fwd[(cdiv(n_rows, block_m),)](
                 x2, r2 if r2 is not None else x2, y, h if h is not None else y, weight, rstd, n_rows, n_cols,
@@ -155,7 +167,7 @@ class _RMSNormFn(torch.autograd.Function):
         dx = torch.empty_like(x2)
         compute_dw = ctx.needs_input_grad[1]
         stages, elems = _bwd_tiling(n_cols)
-        block_m, block_n, warps = _config(n_cols, elems)
+        block_m, block_n, warps = _config(n_cols, elems, BWD_MAX_ROWS)
         progs = max(1, min(cdiv(n_rows, block_m), BWD_PROGRAMS_PER_SM * num_programs(x2.device)))
         rows_per_prog = cdiv(n_rows, progs)
         dw_part = torch.empty((progs, n_cols) if compute_dw else (1,), dtype=torch.float32, device=x2.device)
@@ -164,7 +176,7 @@ class _RMSNormFn(torch.autograd.Function):
                 dy2, dh2 if dh2 is not None else dy2, x2, weight, rstd, dx, dw_part, n_rows, n_cols,
                 rows_per_prog, dy2.stride(0), dh2.stride(0) if dh2 is not None else 0, x2.stride(0),
                 dx.stride(0), ctx.offset, HAS_DH=dh2 is not None, COMPUTE_DW=compute_dw,
-                BLOCK_M=block_m, BLOCK_N=block_n, NUM_STAGES=stages, num_warps=warps)
+                DW_TILE=BWD_DW_ACCUMULATE == "tile", BLOCK_M=block_m, BLOCK_N=block_n, NUM_STAGES=stages, num_warps=warps)
         dw = None
         if compute_dw:
             dw = dw_part.sum(0).to(weight.dtype) if n_rows else torch.zeros_like(weight)
