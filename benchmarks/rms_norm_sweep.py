@@ -20,6 +20,7 @@ versions, hardware, every figure).
 
     python benchmarks/rms_norm_sweep.py --out benchmarks/results/rms_norm_sweep_<gpu>_<date>.json
     python benchmarks/rms_norm_sweep.py --shapes 16384x2048 --quick
+    python benchmarks/rms_norm_sweep.py --compare-only          # before vs shipped, both default shapes
 """
 
 from __future__ import annotations
@@ -129,6 +130,8 @@ def sweep_shape(rows: int, h: int, args: argparse.Namespace, copy_gbs: float, sh
 
     shape["before"] = timed("before (row-reduced dw, <= 16 rows a tile)", **BEFORE)
     shape["shipped"] = timed("shipped")
+    if args.compare_only:
+        return shape
     shape["fwd_sweep"] = [timed(f"fwd elems {e}", FWD_ELEMS=e) for e in (2048, 4096, 8192, 16384)]
     per_sm = (1, 2) if args.quick else (1, 2, 4)
     tiles = (8192, 16384) if args.quick else (8192, 16384, 32768)
@@ -150,6 +153,7 @@ def main() -> None:
                    help="ROWSxHIDDEN; 262144x128 is a q/k norm over 128-wide heads (16K tokens x 16 heads)")
     p.add_argument("--rep-ms", type=int, default=40)
     p.add_argument("--quick", action="store_true", help="a smaller grid (programs per SM 1 and 2, tiles 8K/16K)")
+    p.add_argument("--compare-only", action="store_true", help="only the backward before 2026-12-04 and the shipped")
     p.add_argument("--out", default=None)
     args = p.parse_args()
     if not torch.cuda.is_available():
