@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -83,9 +84,11 @@ def build(root: Path, overrides: list[str], acc, steps: int = STEPS):  # noqa: A
     return cfg, layout, task
 
 
-def one_step(root: Path, overrides: list[str], acc, weights: dict | None = None) -> dict:  # noqa: ANN001
+def one_step(root: Path, overrides: list[str], acc, weights: dict | None = None,  # noqa: ANN001
+             probe: Callable[[MegatronEngine], dict] | None = None) -> dict:
     """The loss and whole gradients of step 0 (no optimiser step) from ``weights`` (None: the layout's own
-    initialisation), the same on every rank; ``weights``: the whole initial weights used."""
+    initialisation), the same on every rank; ``weights``: the whole initial weights used. ``probe(engine)``, called
+    on every rank after the step's backward, adds its figures to the result."""
     from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
 
     get_moe_metrics_tracker().clear()
@@ -105,6 +108,8 @@ def one_step(root: Path, overrides: list[str], acc, weights: dict | None = None)
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(loss_t, op=dist.ReduceOp.MAX)
     out = {"loss": float(loss_t), "grads": grads, "nmb": nmb, "weights": weights}
+    if probe is not None:
+        out.update(probe(engine))
     if layout.dp == layout.world_size > 1:  # which samples each DP rank trained on
         if task.balanced is not None:
             out["metrics"] = task.balanced.step_metrics(0)
