@@ -27,8 +27,12 @@ from loong.llm.sft.task import SFTTask
 from loong.vlm.models.families import vision_family
 from loong.vlm.schema import COMPONENTS, VLMRunConfig
 
-#: batch keys moved to the device and handed to the model besides tokens / positions / document ids / labels
-MEDIA_KEYS = ("mm_token_type_ids", "pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw")
+#: batch keys handed to the model besides tokens / positions / document ids / labels
+MEDIA_KEYS = ("mm_token_type_ids", "pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw",
+              "media_tokens")
+#: batch keys that stay on the host: small metadata the model reads as Python numbers (the grids shape the
+#: vision tower's index tensors); on the device each read would be a device-to-host sync inside the forward
+HOST_KEYS = ("image_grid_thw", "video_grid_thw", "media_tokens")
 
 
 def check_vlm_config(cfg: VLMRunConfig) -> None:
@@ -305,14 +309,30 @@ class VLMTask(MegatronTask):
 
         return iter(vision_loader(dataset, schedule(), num_workers=workers))
 
+    @property
+    def document_ids(self) -> bool:
+        """Whether the foundation gets per-token document ids. With ``data.packing=false`` every row is one
+        sample and then padding (balanced micro-batches too): plain causal attention (SDPA's flash / cuDNN
+        kernels) gives every real token the same output as the document mask (no real token attends to the
+        padding after it; padding carries no loss), so the ids are dropped, decided from the config on the
+        host. Packed rows keep them."""
+        return self.cfg.data.packing
+
     def _to_device(self, batch: dict, scale: float) -> dict:
+        from loong.vlm.models.vlm import media_token_counts
+
         self.skipped_samples += int(batch.pop("skipped_samples", 0))
+        if not self.document_ids:
+            batch.pop("document_ids", None)
+        batch["media_tokens"] = media_token_counts(batch["mm_token_type_ids"])  # on the CPU batch: no sync
         if self.layout.cp > 1:
             batch = self._cp_slice(batch)
             # the engine averages the reported loss over dp x cp, and each CP rank reports its chunks' share
             scale *= self.layout.cp
-        out = {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
-        out["loss_scale"] = torch.tensor(scale, dtype=torch.float32, device=self.device)
+        pin = self.device.type == "cuda"  # pageable memory would make the copies wait for the stream
+        out = {k: v if k in HOST_KEYS else (v.pin_memory() if pin else v).to(self.device, non_blocking=True)
+               for k, v in batch.items()}
+        out["loss_scale"] = torch.full((), scale, dtype=torch.float32, device=self.device)  # a fill, no copy
         return out
 
     def _cp_slice(self, batch: dict) -> dict:
@@ -374,7 +394,7 @@ class VLMTask(MegatronTask):
     def forward_step(self, data_iterator: Iterator[dict], model: torch.nn.Module) -> tuple[Any, Any]:
         batch = next(data_iterator)
         media = {k: batch[k] for k in (*MEDIA_KEYS, "visual_embeds", "deepstack_embeds") if k in batch}
-        output = model(batch["tokens"], batch["position_ids"], batch["document_ids"], labels=batch["labels"],
+        output = model(batch["tokens"], batch["position_ids"], batch.get("document_ids"), labels=batch["labels"],
                        **media)
         return output, partial(SFTTask._loss, batch["loss_mask"], loss_scale=batch["loss_scale"])
 

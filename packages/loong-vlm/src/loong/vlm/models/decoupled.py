@@ -48,12 +48,13 @@ class DecoupledTower:
         self._mine, self._leaves = {}, {}
         dtype = self.model.vision_dtype()
         for k, batch in enumerate(batches):
-            n = int((batch["mm_token_type_ids"] > 0).sum())
+            counts = batch.get("media_tokens")  # host metadata: no device sync (the task's batches have it)
+            n = int((batch["mm_token_type_ids"] > 0).sum()) if counts is None else sum(counts)
             if n == 0:
                 continue  # every rank sees the same tokens: none of them expects a message
             owner = self._owner(k)
             if owner == self.rank:
-                embeds, deep = self.model.visual_inputs(batch["mm_token_type_ids"],
+                embeds, deep = self.model.visual_inputs(batch["mm_token_type_ids"], media_tokens=counts,
                                                         **{key: batch.get(key) for key in TOWER_KEYS})
                 outs = [embeds, *deep]
                 self._mine[k] = outs

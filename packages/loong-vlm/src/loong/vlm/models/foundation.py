@@ -78,6 +78,19 @@ def check_mrope(mrope_section: Sequence[int] | None, interleaved: bool, kv_chann
     return section
 
 
+_CHANNEL_ROWS: dict[tuple, Tensor] = {}
+
+
+def _channel_rows_on(rows: tuple[int, ...], device: torch.device) -> Tensor:
+    """``rows`` as an index tensor on ``device``, made once per device (``torch.tensor(..., device=cuda)`` would
+    copy from pageable memory and wait for the stream on every forward)."""
+    key = (rows, device)
+    if key not in _CHANNEL_ROWS:
+        t = torch.tensor(rows, dtype=torch.int64)
+        _CHANNEL_ROWS[key] = t if device.type == "cpu" else t.pin_memory().to(device, non_blocking=True)
+    return _CHANNEL_ROWS[key]
+
+
 def mrope_freqs_from_positions(rope: Any, position_ids: Tensor, channel_rows: Sequence[int]) -> Tensor:
     """Rotary frequencies ``[s, b, 1, d]`` for M-RoPE position ids ``[3, b, s]``.
 
@@ -92,7 +105,7 @@ def mrope_freqs_from_positions(rope: Any, position_ids: Tensor, channel_rows: Se
     pos = position_ids.transpose(1, 2).to(inv_freq.dtype)  # [3, s, b]
     if rope.seq_len_interpolation_factor is not None:
         pos = pos * (1 / rope.seq_len_interpolation_factor)
-    rows = torch.tensor(channel_rows, device=pos.device)
+    rows = _channel_rows_on(tuple(channel_rows), pos.device)
     # per channel the position row it reads, [s, b, d/2]; one fp32 product each, as transformers' own
     freqs = pos[rows].permute(1, 2, 0) * inv_freq
     if not rope.rotary_interleaved:
@@ -104,12 +117,16 @@ def mrope_freqs_from_positions(rope: Any, position_ids: Tensor, channel_rows: Se
 
 @dataclass(frozen=True)
 class VisualPositions:
-    """Where the visual rows go in this rank's ``[s_local, b, d]`` hidden states: token ``(seq[k], batch[k])``
-    takes visual row ``rows[k]``. ``tp_group`` is set under sequence parallelism (the slice holds only some of the
-    rows; their gradients are summed over the group)."""
+    """Where the visual rows go in this rank's ``[s_local, b, d]`` hidden states: the token at ``(i, j)`` is a
+    visual one where ``mask[i, j]`` and then takes visual row ``rows[i, j]`` (elsewhere ``rows`` holds a harmless
+    in-range row whose value is discarded). ``tp_group`` is set under sequence parallelism (the slice holds only
+    some of the rows; their gradients are summed over the group).
 
-    seq: Tensor
-    batch: Tensor
+    Sync-free: every tensor has a shape known on the host (``[s_local, b]``), so the placement is a gather and a
+    ``where`` (its gradient an ``index_add``) instead of ``nonzero`` / boolean indexing, which would wait for the
+    device to learn how many visual tokens this rank holds."""
+
+    mask: Tensor
     rows: Tensor
     tp_group: Any = None
 
@@ -119,21 +136,31 @@ class VisualPositions:
         whole sequence, in that order (a slice, or a context-parallel rank's two zigzag chunks)."""
         b, s = visual_mask.shape
         ordinal = visual_mask.reshape(-1).cumsum(0).reshape(b, s) - 1  # row of each True, row-major [b, s]
-        batch, seq = visual_mask[:, index].nonzero(as_tuple=True)
-        return cls(seq=seq, batch=batch, rows=ordinal[batch, index[seq]], tp_group=tp_group)
+        return cls(mask=visual_mask[:, index].t(), rows=ordinal[:, index].t(), tp_group=tp_group)
 
     def _values(self, embeds: Tensor, like: Tensor) -> Tensor:
+        """``[s_local, b, d]``: visual row ``rows[i, j]`` at every visual token (anything at the others)."""
         if self.tp_group is not None:  # backward: this rank's rows' gradients + the other ranks'
             embeds = copy_to_tensor_model_parallel_region(embeds, group=self.tp_group)
-        return embeds.to(like.dtype)[self.rows]
+        n = embeds.shape[0]
+        # non-visual tokens read rows spread over the table (not all row 0): their zero gradients then add
+        # without piling onto one row
+        spread = torch.arange(self.rows.numel(), device=self.rows.device).reshape(self.rows.shape) % n
+        rows = torch.where(self.mask, self.rows, spread)
+        return embeds.to(like.dtype).index_select(0, rows.reshape(-1)).reshape(*rows.shape, embeds.shape[1])
 
     def replace(self, hidden: Tensor, embeds: Tensor) -> Tensor:
         """``hidden`` with the visual rows in place of its rows at the positions (a new tensor)."""
-        return hidden.index_put((self.seq, self.batch), self._values(embeds, hidden))
+        if embeds.shape[0] == 0:
+            return hidden
+        return torch.where(self.mask[..., None], self._values(embeds, hidden), hidden)
 
     def add(self, hidden: Tensor, embeds: Tensor) -> Tensor:
         """``hidden`` plus the visual rows at the positions (a new tensor)."""
-        return hidden.index_put((self.seq, self.batch), self._values(embeds, hidden), accumulate=True)
+        if embeds.shape[0] == 0:
+            return hidden
+        values = self._values(embeds, hidden)
+        return hidden + torch.where(self.mask[..., None], values, values.new_zeros(()))
 
 
 def _deepstack_hook(positions: VisualPositions, embeds: Tensor, module: torch.nn.Module, args: Any,
@@ -250,14 +277,16 @@ class VLMFoundation(LoongGPTModel):
     def forward(self, input_ids: Tensor, position_ids: Tensor, attention_mask: Tensor | None = None,
                 decoder_input: Tensor | None = None, labels: Tensor | None = None, *,
                 visual_embeds: Tensor | None = None, visual_mask: Tensor | None = None,
-                deepstack_embeds: Sequence[Tensor] | None = None, **kwargs: Any) -> Tensor:
+                deepstack_embeds: Sequence[Tensor] | None = None, visual_count: int | None = None,
+                **kwargs: Any) -> Tensor:
         """megatron's GPT forward with multimodal extras.
 
         ``input_ids [b, s]``; ``position_ids [b, s]`` (1-D RoPE) or ``[3, b, s]`` (M-RoPE); ``attention_mask``
         None (causal) or per-token document ids ``[b, s]`` (packed samples); ``labels [b, s]`` (already shifted)
         gives per-token losses ``[b, s]``, otherwise logits ``[b, s, V/tp]``. On the chunk with the embedding:
         ``visual_embeds [n, d]`` placed at ``visual_mask [b, s]`` (n = its True count), and ``deepstack_embeds``,
-        up to ``deepstack_layers`` tensors ``[n, d]``, added after the first decoder layers. Other keywords
+        up to ``deepstack_layers`` tensors ``[n, d]``, added after the first decoder layers. ``visual_count``: n as
+        known on the host (the VLM's media metadata); None counts the mask, a device-to-host sync. Other keywords
         (``loss_mask``, ``padding_mask``, ...) are megatron's.
         """
         deepstack = list(deepstack_embeds or ())
@@ -275,7 +304,7 @@ class VLMFoundation(LoongGPTModel):
         padding_mask = kwargs.get("padding_mask")
         decoder_input = self.embedding(input_ids=input_ids, position_ids=None)  # [s(/tp under SP), b, d]
         positions = self._visual_positions(input_ids, visual_mask, decoder_input.shape[0])
-        count = int(visual_mask.sum())
+        count = int(visual_mask.sum()) if visual_count is None else visual_count
         for i, embeds in enumerate(deepstack):
             self._check_rows(f"deepstack_embeds[{i}]", embeds, count)
         if visual_embeds is not None:

@@ -28,18 +28,31 @@ Tensor = torch.Tensor
 IMAGE, VIDEO = 1, 2  # mm_token_type_ids of image and video placeholder tokens
 
 
-def interleave(types: Tensor, image: Tensor | None, video: Tensor | None) -> Tensor:
-    """Rows of ``image`` and ``video`` embeddings in the token order given by ``types`` (the placeholder tokens'
-    modality, 1 image / 2 video, in row-major order)."""
+def interleave(mm_token_type_ids: Tensor, image: Tensor | None, video: Tensor | None) -> Tensor:
+    """Rows of ``image`` and ``video`` embeddings in token order: the ``k``-th placeholder token of
+    ``mm_token_type_ids`` (1 image / 2 video, 0 text; any shape, row-major) takes the next row of its modality.
+
+    Sync-free: the sizes are the embeddings' row counts (known on the host), the order comes from cumulative sums
+    and a sorted search, never from boolean indexing (which would wait for the device to count the tokens). The
+    counts must match the placeholder tokens (:meth:`VisionLanguageModel.visual_inputs` checks them)."""
     if video is None or video.shape[0] == 0:
         assert image is not None
         return image
     if image is None or image.shape[0] == 0:
         return video
-    out = image.new_empty(types.numel(), image.shape[1])
-    out[types == IMAGE] = image
-    out[types == VIDEO] = video.to(image.dtype)
-    return out
+    n_image, n = image.shape[0], image.shape[0] + video.shape[0]
+    flat = mm_token_type_ids.reshape(-1)
+    # the flat position of the k-th placeholder (k < n): where the running count of placeholders reaches k + 1
+    where = torch.searchsorted((flat > 0).cumsum(0), torch.arange(1, n + 1, device=flat.device))
+    is_image = flat[where.clamp(max=flat.numel() - 1)] == IMAGE
+    source = torch.where(is_image, is_image.cumsum(0) - 1, n_image + (~is_image).cumsum(0) - 1)
+    return torch.cat([image, video.to(image.dtype)]).index_select(0, source)
+
+
+def media_token_counts(mm_token_type_ids: Tensor) -> tuple[int, int]:
+    """``(image, video)`` placeholder tokens of ``mm_token_type_ids``: host metadata (the training task counts
+    the CPU batch before moving it; on a device tensor this is a device-to-host sync)."""
+    return int((mm_token_type_ids == IMAGE).sum()), int((mm_token_type_ids == VIDEO).sum())
 
 
 class VisionLanguageModel(MegatronModule):
@@ -127,31 +140,34 @@ class VisionLanguageModel(MegatronModule):
 
     def visual_inputs(self, mm_token_type_ids: Tensor, pixel_values: Tensor | None = None,
                       image_grid_thw: Tensor | None = None, pixel_values_videos: Tensor | None = None,
-                      video_grid_thw: Tensor | None = None) -> tuple[Tensor | None, list[Tensor]]:
+                      video_grid_thw: Tensor | None = None,
+                      media_tokens: tuple[int, int] | None = None) -> tuple[Tensor | None, list[Tensor]]:
         """``(visual_embeds [n, d], deepstack_embeds)`` for the placeholder tokens of ``mm_token_type_ids``.
 
         Qwen processors give images and videos as separate tensors; InternVL's ``pixel_values`` already hold the
-        image tiles and video frames in token order (``pixel_values_videos`` None).
+        image tiles and video frames in token order (``pixel_values_videos`` None). ``media_tokens``: the
+        ``(image, video)`` placeholder counts known on the host (:func:`media_token_counts` of the CPU batch; the
+        training task passes them), None: counted here (a device sync).
         """
-        types = mm_token_type_ids[mm_token_type_ids > 0]
-        if types.numel() == 0:
+        n_image, n_video = media_token_counts(mm_token_type_ids) if media_tokens is None else media_tokens
+        if n_image + n_video == 0:
             return None, []
         if pixel_values_videos is None:  # one tensor in token order (InternVL), or images only
             out = self.embed_media(pixel_values, image_grid_thw)
             if out is None:
-                raise LoongError(f"the micro-batch has {types.numel()} media placeholder tokens but no pixels")
+                raise LoongError(f"the micro-batch has {n_image + n_video} media placeholder tokens but no pixels")
             return out.embeds, list(out.deepstack)
         images = self.embed_media(pixel_values, image_grid_thw)
         videos = self.embed_media(pixel_values_videos, video_grid_thw)
-        for name, out, code in (("image", images, IMAGE), ("video", videos, VIDEO)):
-            want = int((types == code).sum())
+        for name, out, want in (("image", images, n_image), ("video", videos, n_video)):
             got = 0 if out is None else out.embeds.shape[0]
             if got != want:
                 raise LoongError(f"the micro-batch has {want} {name} placeholder tokens but its pixels give {got} "
                                  f"{name} embeddings (processor and encoder geometry disagree)")
-        embeds = interleave(types, images.embeds if images else None, videos.embeds if videos else None)
+        mm = mm_token_type_ids
+        embeds = interleave(mm, images.embeds if images else None, videos.embeds if videos else None)
         depth = max(len(images.deepstack) if images else 0, len(videos.deepstack) if videos else 0)
-        deepstack = [interleave(types, images.deepstack[i] if images else None,
+        deepstack = [interleave(mm, images.deepstack[i] if images else None,
                                 videos.deepstack[i] if videos else None) for i in range(depth)]
         return embeds, deepstack
 
@@ -159,14 +175,17 @@ class VisionLanguageModel(MegatronModule):
                 labels: Tensor | None = None, *, mm_token_type_ids: Tensor | None = None,
                 pixel_values: Tensor | None = None, image_grid_thw: Tensor | None = None,
                 pixel_values_videos: Tensor | None = None, video_grid_thw: Tensor | None = None,
-                visual_embeds: Tensor | None = None, deepstack_embeds: list[Tensor] | None = None) -> Tensor:
-        """Per-token losses ``[b, s]`` given ``labels``, else logits. Media keys are read on the first stage only."""
+                visual_embeds: Tensor | None = None, deepstack_embeds: list[Tensor] | None = None,
+                media_tokens: tuple[int, int] | None = None) -> Tensor:
+        """Per-token losses ``[b, s]`` given ``labels``, else logits. Media keys are read on the first stage only.
+        ``media_tokens``: the ``(image, video)`` placeholder counts known on the host (see :meth:`visual_inputs`);
+        with them the forward never waits for the device."""
         deepstack: list[Tensor] = list(deepstack_embeds or ())
         visual_mask = None
         if self.foundation.pre_process and mm_token_type_ids is not None:
             if visual_embeds is None and self.encoder is not None:
                 visual_embeds, deepstack = self.visual_inputs(mm_token_type_ids, pixel_values, image_grid_thw,
-                                                              pixel_values_videos, video_grid_thw)
+                                                              pixel_values_videos, video_grid_thw, media_tokens)
             if visual_embeds is not None:
                 visual_mask = mm_token_type_ids > 0
                 dtype = self.foundation.embedding.word_embeddings.weight.dtype
@@ -174,7 +193,8 @@ class VisionLanguageModel(MegatronModule):
                 deepstack = [d.to(dtype) for d in deepstack]
         return self.foundation(tokens, position_ids, document_ids, labels=labels,
                                visual_embeds=visual_embeds, visual_mask=visual_mask,
-                               deepstack_embeds=deepstack or None)
+                               deepstack_embeds=deepstack or None,
+                               visual_count=None if media_tokens is None else sum(media_tokens))
 
 
-__all__ = ["IMAGE", "VIDEO", "VisionLanguageModel", "interleave"]
+__all__ = ["IMAGE", "VIDEO", "VisionLanguageModel", "interleave", "media_token_counts"]

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
@@ -36,6 +37,7 @@ from loong.vlm.models.vision.common import (
     check_pixel_values,
     frame_doc_ids,
     grid_list,
+    host_to_device,
     rotary_cos_sin,
     vision_position_ids,
 )
@@ -65,23 +67,26 @@ def check_encoder(cfg: EncoderConfig, path: str = "encoder") -> None:
 def window_layout(grid: list[tuple[int, int, int]], merge: int, units: int,
                   device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """``(order [n_units], window_ids [n_patches])``: the merge units (of all images, processor order) sorted
-    window by window, and the window id of every patch in that sorted order.
+    window by window, and the window id of every patch in that sorted order (int64).
 
     Windows tile each frame of ``h/merge × w/merge`` units from the top-left in squares of ``units`` (partial
     at the bottom and right edges), row-major; units stay row-major inside a window (HF's
-    ``get_vision_window_index``)."""
+    ``get_vision_window_index``). Built on the host with numpy from the grid (on the device the bincount and
+    the repeat would each sync it) and copied to ``device``."""
     orders, counts = [], []
     offset = 0
     for t, h, w in grid:
         lh, lw = h // merge, w // merge
         nwh, nww = math.ceil(lh / units), math.ceil(lw / units)
-        win = (torch.arange(lh, device=device)[:, None] // units) * nww + torch.arange(lw, device=device) // units
-        key = (torch.arange(t, device=device)[:, None, None] * (nwh * nww) + win).flatten()
-        orders.append(torch.argsort(key, stable=True) + offset)
-        counts.append(torch.bincount(key, minlength=t * nwh * nww))  # every window holds >= 1 unit
+        win = (np.arange(lh)[:, None] // units) * nww + np.arange(lw) // units
+        key = (np.arange(t)[:, None, None] * (nwh * nww) + win).reshape(-1)
+        orders.append(np.argsort(key, kind="stable") + offset)
+        counts.append(np.bincount(key, minlength=t * nwh * nww))  # every window holds >= 1 unit
         offset += t * lh * lw
-    sizes = torch.cat(counts) * merge * merge
-    return torch.cat(orders), torch.repeat_interleave(torch.arange(len(sizes), device=device), sizes)
+    sizes = np.concatenate(counts) * merge * merge
+    ids = np.repeat(np.arange(len(sizes)), sizes)
+    return (host_to_device(torch.from_numpy(np.concatenate(orders)), device),
+            host_to_device(torch.from_numpy(ids), device))
 
 
 def _permute_units(x: torch.Tensor, order: torch.Tensor, unit: int) -> torch.Tensor:

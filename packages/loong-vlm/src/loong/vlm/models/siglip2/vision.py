@@ -16,6 +16,7 @@ The attention-pooling head (``Siglip2VisionModel.head``, the contrastive image e
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -33,6 +34,7 @@ from loong.vlm.models.vision.common import (
     VitCost,
     activation,
     attention_pair_flops,
+    host_to_device,
     sqrt_int,
 )
 
@@ -136,8 +138,9 @@ class Siglip2VisionEncoder(nn.Module):
         x = self.patch_embed(patches.to(self.patch_embed.weight.dtype))
         # HF rounds the resized table to the table's dtype before adding it
         x = x + self.resized_positions(shapes).to(self.pos_embed.weight.dtype).to(x.dtype)
-        counts = torch.tensor([h * w for h, w in shapes], device=x.device)
-        doc_ids = torch.repeat_interleave(torch.arange(len(shapes), device=x.device), counts)
+        counts = [h * w for h, w in shapes]  # on the host (no device sync), then copied
+        doc_ids = host_to_device(torch.from_numpy(np.repeat(np.arange(len(shapes), dtype=np.int64), counts)),
+                                 x.device)
         for block in self.blocks:
             if self.recompute and self.training and torch.is_grad_enabled():
                 x = checkpoint(block, x, doc_ids, None, self.attn_impl, use_reentrant=False)

@@ -21,6 +21,7 @@ import math
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -241,7 +242,9 @@ class PatchMerger(nn.Module):
 
 def grid_list(grid_thw: torch.Tensor | Iterable, merge: int, path: str = "grid_thw") -> list[tuple[int, int, int]]:
     """``grid_thw [n_images, 3]`` (frames, patch rows, patch columns per image or video) as int triples, checked:
-    every entry >= 1 and rows/columns divisible by ``merge`` (the spatial merge size)."""
+    every entry >= 1 and rows/columns divisible by ``merge`` (the spatial merge size). The grids are host
+    metadata: the training task keeps them on the CPU (a device ``grid_thw`` works too, at the cost of a
+    device-to-host sync here)."""
     rows = grid_thw.tolist() if isinstance(grid_thw, torch.Tensor) else [list(r) for r in grid_thw]
     out = []
     for i, row in enumerate(rows):
@@ -278,11 +281,22 @@ def vision_position_ids(grid: list[tuple[int, int, int]], merge: int, device: to
     return torch.cat(parts)
 
 
+def host_to_device(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """``t``, a small tensor built on the host (index tensors from the grids), on ``device`` without stalling the
+    host: a plain ``.to(device)`` of pageable memory (or ``torch.tensor(..., device=...)``) waits for the stream
+    to drain, so the copy goes through pinned memory, asynchronously. A CPU ``device`` returns ``t``."""
+    device = torch.device(device)
+    if device.type == "cpu" or t.device == device:
+        return t
+    return t.pin_memory().to(device, non_blocking=True)
+
+
 def frame_doc_ids(grid: list[tuple[int, int, int]], device: torch.device) -> torch.Tensor:
     """``[n_patches]`` document id of every patch: each frame of each image/video is its own document (the Qwen
-    ViTs attend within a frame, never across frames or images)."""
-    sizes = torch.tensor([h * w for t, h, w in grid for _ in range(t)], device=device)
-    return torch.repeat_interleave(torch.arange(len(sizes), device=device), sizes)
+    ViTs attend within a frame, never across frames or images). Built on the host from the grid (no device
+    sync), then copied."""
+    sizes = [h * w for t, h, w in grid for _ in range(t)]
+    return host_to_device(torch.from_numpy(np.repeat(np.arange(len(sizes), dtype=np.int64), sizes)), device)
 
 
 # -------------------------------------------------------------------------------------------------- mappings
