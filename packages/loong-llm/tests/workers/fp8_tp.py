@@ -1,9 +1,11 @@
-"""FP8 linears at TP=2 (gloo, CPU, GEMMs emulated): ``torchrun --nproc-per-node 2 fp8_tp.py OUT_JSON``.
+"""Loong's linear functions at TP=2 (gloo, CPU): ``torchrun --nproc-per-node 2 fp8_tp.py OUT_JSON``.
 
-A column-parallel then a row-parallel megatron linear (an MLP without its activation), converted to fp8,
-with and without sequence parallelism, against an fp64 single-process reference of the whole weights.
-A missing or wrong collective (the dgrad all-reduce, the SP all-gather / reduce-scatter) puts the error
-near 100%; fp8 rounding alone keeps it near 4%. Rank 0 writes the relative errors as JSON.
+A column-parallel then a row-parallel megatron linear (an MLP without its activation), converted to fp8 (GEMMs
+emulated) or to the fused weight-gradient accumulation (``wgrad``: fp32, ``dW`` added to a ``main_grad`` that
+already holds a gradient, as a second micro-batch finds it), with and without sequence parallelism, against an fp64
+single-process reference of the whole weights. A missing or wrong collective (the dgrad all-reduce, the SP
+all-gather / reduce-scatter) puts the error near 100%; fp8 rounding alone keeps it near 4%, fp32 near 1e-7. Rank 0
+writes the relative errors as JSON.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from loong.core.accelerators import select_accelerator
 from loong.core.config.schema import ParallelConfig
 from loong.core.engines.megatron.fp8 import convert_to_fp8
 from loong.core.engines.megatron.layout import init_distributed, shutdown_distributed
+from loong.core.engines.megatron.wgrad_fusion import _fused_class
 from loong.core.precision import RECIPES
 
 S, B, H, F = 64, 2, 128, 256
@@ -28,6 +31,7 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def run(sp: bool, recipe: str, layout) -> dict[str, float]:  # noqa: ANN001
+    """``recipe``: an fp8 recipe, or ``wgrad`` for :mod:`loong.core.engines.megatron.wgrad_fusion`."""
     from megatron.core.model_parallel_config import ModelParallelConfig
     from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 
@@ -46,7 +50,12 @@ def run(sp: bool, recipe: str, layout) -> dict[str, float]:  # noqa: ANN001
         fc1.weight.copy_(w1.chunk(tp, 0)[rank])
         fc2.weight.copy_(w2.chunk(tp, 1)[rank])
     for m in (fc1, fc2):
-        convert_to_fp8(m, RECIPES[recipe], native=False)
+        if recipe == "wgrad":  # DDP's buffers, holding an earlier micro-batch's gradient (1.0 everywhere)
+            m.__class__ = _fused_class(type(m))
+            m.weight.main_grad = torch.ones_like(m.weight)
+            m.weight.grad_added_to_main_grad = False
+        else:
+            convert_to_fp8(m, RECIPES[recipe], native=False)
     xin = (x.chunk(tp, 0)[rank] if sp else x).clone().requires_grad_(True)
     out, _ = fc2(fc1(xin)[0])
     out.backward(dy.chunk(tp, 0)[rank] if sp else dy)
@@ -65,8 +74,13 @@ def run(sp: bool, recipe: str, layout) -> dict[str, float]:  # noqa: ANN001
     ref_dw1 = ref_dh.reshape(-1, F).t() @ xd.reshape(-1, H)
     full_out = gather(out.detach(), 0) if sp else out.detach()
     full_dx = gather(xin.grad, 0) if sp else xin.grad
+    if recipe == "wgrad":  # the gradients are in main_grad, on top of the 1.0 already there
+        assert fc1.weight.grad_added_to_main_grad and fc2.weight.grad_added_to_main_grad
+        dw1, dw2 = fc1.weight.main_grad - 1, fc2.weight.main_grad - 1
+    else:
+        dw1, dw2 = fc1.weight.grad, fc2.weight.grad
     return {"out": _rel(full_out, ref_out), "dx": _rel(full_dx, ref_dx),
-            "dw1": _rel(gather(fc1.weight.grad, 0), ref_dw1), "dw2": _rel(gather(fc2.weight.grad, 1), ref_dw2)}
+            "dw1": _rel(gather(dw1, 0), ref_dw1), "dw2": _rel(gather(dw2, 1), ref_dw2)}
 
 
 def main() -> None:
@@ -75,7 +89,7 @@ def main() -> None:
     with acc.activate():
         layout = init_distributed(acc, ParallelConfig(tp=2))
         try:
-            for recipe in ("tensorwise", "rowwise", "blockwise"):
+            for recipe in ("tensorwise", "rowwise", "blockwise", "wgrad"):
                 for sp in (False, True):
                     results[f"{recipe}{'+sp' if sp else ''}"] = run(sp, recipe, layout)
         finally:

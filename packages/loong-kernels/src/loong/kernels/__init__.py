@@ -35,6 +35,7 @@ from loong.kernels.fp8 import (
     quantize_tensorwise_reference,
     transpose_2d,
 )
+from loong.kernels.gemm import mm_accumulate
 from loong.kernels.norm import rms_norm, rms_norm_reference
 from loong.kernels.rope import (
     Llama3RopeScaling,
@@ -62,6 +63,7 @@ __all__ = [
     "indexer_topk",
     "indexer_topk_reference",
     "interpreting",
+    "mm_accumulate",
     "quantize_blockwise",
     "quantize_blockwise_reference",
     "quantize_rowwise",

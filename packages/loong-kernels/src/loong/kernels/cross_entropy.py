@@ -37,6 +37,7 @@ import torch
 import torch.nn.functional as F
 
 from loong.kernels._dispatch import Backend, cdiv, check_float, kernel, use_triton
+from loong.kernels.gemm import mm_accumulate
 
 try:
     import triton.language as tl
@@ -101,17 +102,6 @@ def _scale_rows(X, G, n, n_cols, BLOCK: tl.constexpr):
     tl.store(X + offs, (x * g).to(X.dtype.element_ty), mask=mask)
 
 
-def _accumulate(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor, first: bool) -> None:
-    """``acc = [acc +] a @ b`` (the product accumulates in fp32 inside the GEMM; ``acc`` keeps its dtype)."""
-    beta = 0.0 if first else 1.0
-    if acc.dtype == a.dtype:
-        torch.addmm(acc, a, b, beta=beta, out=acc)
-    elif a.is_cuda:
-        torch.addmm(acc, a, b, out_dtype=torch.float32, beta=beta, out=acc)
-    else:  # CPU (interpreter tests) or fp32 inputs
-        acc.addmm_(a.float(), b.float(), beta=beta)
-
-
 def _chunk_rows(n_tokens: int, vocab: int, itemsize: int, chunk_size: int | None) -> int:
     if chunk_size is not None:
         if chunk_size <= 0:
@@ -145,7 +135,7 @@ def _chunks(h2: torch.Tensor, weight: torch.Tensor, lab: torch.Tensor, losses: t
         if dh is not None:
             torch.mm(lg, weight, out=dh[start:end])
         if dw is not None:
-            _accumulate(dw, lg.t(), hc, first=i == 0)
+            mm_accumulate(dw, lg.t(), hc, beta=0.0 if i == 0 else 1.0)
     if dw is not None and n == 0:
         dw.zero_()
 

@@ -146,10 +146,24 @@ class LinearComm:
     gradient_accumulation_fusion: bool = False
 
 
-def _gather(x: torch.Tensor, group: Any) -> torch.Tensor:
+def gather_sequence_parallel(x: torch.Tensor, group: Any) -> torch.Tensor:
+    """``x`` all-gathered over ``group`` along dim 0 (megatron's sequence-parallel input of a column linear)."""
     out = torch.empty((x.shape[0] * dist.get_world_size(group), *x.shape[1:]), dtype=x.dtype, device=x.device)
     dist.all_gather_into_tensor(out, x.contiguous(), group=group)
     return out
+
+
+def reduce_dgrad(dx: torch.Tensor, comm: LinearComm) -> tuple[torch.Tensor, Any]:
+    """Start ``dX``'s (``[tokens, K]``) tensor-parallel collective: a reduce-scatter to this rank's rows under SP, an
+    all-reduce with ``allreduce_dgrad``; asynchronous, so it overlaps the weight-gradient GEMM, as in megatron.
+    Returns this rank's ``dX`` (valid once the handle is waited on) and the handle (None: no collective)."""
+    if comm.sequence_parallel:
+        out = torch.empty((dx.shape[0] // dist.get_world_size(comm.tp_group), dx.shape[1]), dtype=dx.dtype,
+                          device=dx.device)
+        return out, dist.reduce_scatter_tensor(out, dx, group=comm.tp_group, async_op=True)
+    if comm.allreduce_dgrad:
+        return dx, dist.all_reduce(dx, group=comm.tp_group, async_op=True)
+    return dx, None
 
 
 def _quantize_t(saved: Quantized | None, full: torch.Tensor | None, granularity: str, dtype: torch.dtype) -> Quantized:
@@ -166,7 +180,7 @@ class FP8LinearFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, recipe: FP8Recipe,
                 comm: LinearComm, native: bool) -> torch.Tensor:
-        total = _gather(x, comm.tp_group) if comm.sequence_parallel else x
+        total = gather_sequence_parallel(x, comm.tp_group) if comm.sequence_parallel else x
         k = total.shape[-1]
         x2 = total.reshape(-1, k)
         xq = quantize(x2, recipe.activation, recipe.fwd_dtype)
@@ -200,27 +214,19 @@ class FP8LinearFunction(torch.autograd.Function):
             wq = Quantized(wq_data, wq_scale, recipe.weight) if wq_data is not None else None
             wq_t = _quantize_t(wq, weight, recipe.weight, recipe.fwd_dtype)  # Wᵀ [K, N]
             dx = fp8_mm(dyq, wq_t, dy.dtype, native=native)  # type: ignore[arg-type]
-            if comm.sequence_parallel:
-                out = torch.empty((dx.shape[0] // dist.get_world_size(comm.tp_group), dx.shape[1]), dtype=dx.dtype,
-                                  device=dx.device)
-                handle = dist.reduce_scatter_tensor(out, dx, group=comm.tp_group, async_op=True)
-                dx_local = out
-            else:
-                if comm.allreduce_dgrad:  # overlaps the weight-gradient GEMM, as in megatron
-                    handle = dist.all_reduce(dx, group=comm.tp_group, async_op=True)
-                dx_local = dx
+            dx_local, handle = reduce_dgrad(dx, comm)
         dw = None
         if need_dw:
             dyq_t = _quantize_t(dyq if transposable(recipe.grad) else None, dy2, recipe.grad, recipe.grad_dtype)
             if xq_data is not None:
                 xq_t = Quantized(xq_data, xq_scale, recipe.activation).t()
             else:
-                total = _gather(x, comm.tp_group) if comm.sequence_parallel else x
+                total = gather_sequence_parallel(x, comm.tp_group) if comm.sequence_parallel else x
                 xq_t = quantize(total.reshape(-1, total.shape[-1]).t(), recipe.activation, recipe.fwd_dtype)
             dw = fp8_mm(dyq_t, xq_t, weight.dtype, native=native)  # [N, K]
             if comm.gradient_accumulation_fusion and hasattr(weight, "main_grad"):
                 weight.main_grad.add_(dw)
-                dw = _dummy_wgrad(weight, dy.dtype)
+                dw = main_grad_placeholder(weight, dy.dtype)
         db = dy2.sum(0) if need_db and ctx.has_bias else None
         if handle is not None:
             handle.wait()
@@ -229,7 +235,7 @@ class FP8LinearFunction(torch.autograd.Function):
         return dx, dw, db, None, None, None
 
 
-def _dummy_wgrad(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
+def main_grad_placeholder(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
     """What megatron's fused path hands autograd once ``dW`` is in ``main_grad``: nothing, or (when DDP
     tracks ``grad_added_to_main_grad``) a placeholder its hook skips."""
     if not hasattr(weight, "grad_added_to_main_grad"):

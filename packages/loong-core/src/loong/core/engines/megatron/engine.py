@@ -34,6 +34,7 @@ from loong.core.engines.megatron.optimizer_state import (
 )
 from loong.core.engines.megatron.state import unwrap
 from loong.core.engines.megatron.task import MegatronTask
+from loong.core.engines.megatron.wgrad_fusion import apply_wgrad_fusion
 from loong.core.errors import LoongError
 from loong.core.registry import ENGINES, TASKS
 from loong.core.trainer.out_of_memory import memory_options
@@ -136,6 +137,7 @@ class MegatronEngine(Engine):
         if fresh:
             task.init_weights(chunks)  # before DDP/optimiser so fp32 main params see the weights
         apply_fp8(chunks, cfg, accelerator, layout.local_rank, print if layout.is_logging_rank else None)
+        apply_wgrad_fusion(chunks)  # the other linears: dW straight into DDP's main_grad (wgrad_fusion.py)
         if self.dtype != torch.float32:
             chunks = [Float16Module(self.config, c) for c in chunks]
         t = cfg.train

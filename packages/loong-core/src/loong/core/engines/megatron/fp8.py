@@ -33,13 +33,11 @@ from loong.core.accelerators.base import Accelerator
 from loong.core.accelerators.capabilities import FP8
 from loong.core.config.schema import PrecisionConfig
 from loong.core.engines.megatron.state import unwrap
+from loong.core.engines.megatron.wgrad_fusion import linear_call
 from loong.core.errors import LoongError
 from loong.core.precision.adaptive import Decision, SpeedupTable, decide, table_for
-from loong.core.precision.fp8_linear import FP8LinearFunction, LinearComm, native_support
+from loong.core.precision.fp8_linear import FP8LinearFunction, native_support
 from loong.core.precision.recipes import RECIPES, FP8Recipe
-
-_KNOWN_KWARGS = {"input", "weight", "bias", "gradient_accumulation_fusion", "allreduce_dgrad", "sequence_parallel",
-                 "grad_output_buffer", "wgrad_deferral_limit", "tp_group", "gtp_remat_size"}
 
 
 class FP8LinearMixin:
@@ -49,17 +47,10 @@ class FP8LinearMixin:
     fp8_native: bool
 
     def _forward_impl(self, *args: Any, **kwargs: Any) -> torch.Tensor:
-        unsupported = (args or set(kwargs) - _KNOWN_KWARGS or kwargs.get("grad_output_buffer") is not None
-                       or kwargs.get("gtp_remat_size", 1) > 1)
-        if unsupported:  # features this path does not implement: megatron's bf16 path for this call
+        # megatron's own ``gradient_accumulation_fusion`` flag decides whether dW goes to main_grad here
+        comm = linear_call(self, args, kwargs, fuse_wgrad=bool(kwargs.get("gradient_accumulation_fusion")))
+        if comm is None:  # features this path does not implement: megatron's bf16 path for this call
             return super()._forward_impl(*args, **kwargs)  # type: ignore[misc]
-        sp, ar = bool(kwargs.get("sequence_parallel")), bool(kwargs.get("allreduce_dgrad"))
-        group = kwargs.get("tp_group")
-        if (sp or ar) and group is None:  # RowParallelLinear passes None; it never needs the group
-            from megatron.core.utils import get_tensor_model_parallel_group_if_none
-
-            group = get_tensor_model_parallel_group_if_none(None, is_expert=getattr(self, "is_expert", False))
-        comm = LinearComm(sp, ar, group, bool(kwargs.get("gradient_accumulation_fusion")))
         return FP8LinearFunction.apply(kwargs["input"], kwargs["weight"], kwargs.get("bias"), self.fp8_recipe,
                                        comm, self.fp8_native)
 
