@@ -7,6 +7,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -66,3 +67,24 @@ def test_frozen_layers_and_a_model_without_ddp_keep_their_gradients() -> None:
         for (name, a), b in zip(ref.named_parameters(), model.parameters(), strict=True):
             if a.requires_grad:
                 assert torch.allclose(b.grad, a.grad, rtol=1e-6, atol=1e-7), name
+
+
+@pytest.mark.gpu
+def test_gpu_bf16_weight_gradient_accumulates_in_fp32_main_grad() -> None:
+    """On CUDA the bf16 operands' product goes into the fp32 buffer unrounded: within fp32 accumulation error of fp64
+    (the unfused path rounds dW to bf16 first, about 2e-3), added to what the buffer held."""
+    from loong.core.engines.megatron.wgrad_fusion import FusedWgradLinearFunction
+    from loong.core.precision.fp8_linear import LinearComm
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(2, 512, 256, device="cuda", generator=g).bfloat16().requires_grad_(True)
+    w = torch.randn(384, 256, device="cuda", generator=g).bfloat16().requires_grad_(True)
+    dy = torch.randn(2, 512, 384, device="cuda", generator=g).bfloat16()
+    w.main_grad = torch.full(w.shape, 0.5, device="cuda", dtype=torch.float32)
+    w.grad_added_to_main_grad = False
+    y = FusedWgradLinearFunction.apply(x, w, None, LinearComm(gradient_accumulation_fusion=True))
+    y.backward(dy)
+    ref_dw = dy.double().reshape(-1, 384).t() @ x.double().reshape(-1, 256)
+    assert _rel(w.main_grad.double() - 0.5, ref_dw) < 1e-5
+    assert w.grad_added_to_main_grad and w.main_grad.dtype == torch.float32
+    assert _rel(x.grad, dy.double() @ w.double()) < 1e-2 and _rel(y, x.double() @ w.double().t()) < 1e-2
