@@ -20,7 +20,7 @@ from loong.core.accelerators import select_accelerator
 from loong.core.config.schema import ParallelConfig
 from loong.core.engines.megatron.fp8 import convert_to_fp8
 from loong.core.engines.megatron.layout import init_distributed, shutdown_distributed
-from loong.core.engines.megatron.wgrad_fusion import _fused_class
+from loong.core.engines.megatron.wgrad_fusion import apply_wgrad_fusion
 from loong.core.precision import RECIPES
 
 S, B, H, F = 64, 2, 128, 256
@@ -51,7 +51,7 @@ def run(sp: bool, recipe: str, layout) -> dict[str, float]:  # noqa: ANN001
         fc2.weight.copy_(w2.chunk(tp, 1)[rank])
     for m in (fc1, fc2):
         if recipe == "wgrad":  # DDP's buffers, holding an earlier micro-batch's gradient (1.0 everywhere)
-            m.__class__ = _fused_class(type(m))
+            apply_wgrad_fusion([m])
             m.weight.main_grad = torch.ones_like(m.weight)
             m.weight.grad_added_to_main_grad = False
         else:

@@ -25,6 +25,7 @@ from loong.llm.data.text import GlobalBatchSampler
 from loong.llm.models.config import check_model_layout, training_flops_per_token
 from loong.llm.sft.task import SFTTask
 from loong.vlm.models.families import vision_family
+from loong.vlm.models.vision.common import host_to_device
 from loong.vlm.schema import COMPONENTS, VLMRunConfig
 
 #: batch keys handed to the model besides tokens / positions / document ids / labels
@@ -329,9 +330,8 @@ class VLMTask(MegatronTask):
             batch = self._cp_slice(batch)
             # the engine averages the reported loss over dp x cp, and each CP rank reports its chunks' share
             scale *= self.layout.cp
-        pin = self.device.type == "cuda"  # pageable memory would make the copies wait for the stream
-        out = {k: v if k in HOST_KEYS else (v.pin_memory() if pin else v).to(self.device, non_blocking=True)
-               for k, v in batch.items()}
+        # through pinned memory: a copy from pageable memory would make the host wait for the stream
+        out = {k: v if k in HOST_KEYS else host_to_device(v, self.device) for k, v in batch.items()}
         out["loss_scale"] = torch.full((), scale, dtype=torch.float32, device=self.device)  # a fill, no copy
         return out
 

@@ -38,6 +38,7 @@ from loong.llm.models.build import build_gpt_model
 from loong.llm.models.config import DenseModelConfig
 from loong.llm.models.fused import FusedKernels
 from loong.llm.models.gpt import LoongGPTModel
+from loong.vlm.models.vision.common import host_to_device
 
 Tensor = torch.Tensor
 
@@ -86,8 +87,7 @@ def _channel_rows_on(rows: tuple[int, ...], device: torch.device) -> Tensor:
     copy from pageable memory and wait for the stream on every forward)."""
     key = (rows, device)
     if key not in _CHANNEL_ROWS:
-        t = torch.tensor(rows, dtype=torch.int64)
-        _CHANNEL_ROWS[key] = t if device.type == "cpu" else t.pin_memory().to(device, non_blocking=True)
+        _CHANNEL_ROWS[key] = host_to_device(torch.tensor(rows, dtype=torch.int64), device)
     return _CHANNEL_ROWS[key]
 
 

@@ -1,11 +1,7 @@
 """Turn a built model's linear layers into FP8-executing ones, in place, before DDP wraps them.
 
-megatron-core's ``ColumnParallelLinear`` and ``RowParallelLinear`` (and subclasses such as LoRA's) do
-their tensor-parallel communication around one call, ``self._forward_impl(input=, weight=, bias=, ...)``,
-and put the GEMMs and their gradient plumbing inside it. Each converted layer gets its class swapped for
-a subclass whose ``_forward_impl`` runs :class:`~loong.core.precision.fp8_linear.FP8LinearFunction`
-instead. In place, not a wrapper module, so that parameter names, state-dict and sharded-checkpoint keys,
-``isinstance`` checks and the parameters megatron's DDP registers are exactly what they were;
+Each converted megatron parallel linear gets its class swapped (:mod:`~loong.core.engines.megatron.linear_swap`)
+for a subclass whose ``_forward_impl`` runs :class:`~loong.core.precision.fp8_linear.FP8LinearFunction` instead;
 :func:`remove_fp8` swaps the classes back.
 
 Kept in high precision: the output layer (``output_layer``, whose logits feed the loss), layers without
@@ -32,8 +28,8 @@ from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinea
 from loong.core.accelerators.base import Accelerator
 from loong.core.accelerators.capabilities import FP8
 from loong.core.config.schema import PrecisionConfig
+from loong.core.engines.megatron.linear_swap import is_te_linear, linear_call, restore_classes, with_mixin
 from loong.core.engines.megatron.state import unwrap
-from loong.core.engines.megatron.wgrad_fusion import linear_call
 from loong.core.errors import LoongError
 from loong.core.precision.adaptive import Decision, SpeedupTable, decide, table_for
 from loong.core.precision.fp8_linear import FP8LinearFunction, native_support
@@ -71,34 +67,20 @@ _FP8_CLASSES: dict[type, type] = {ColumnParallelLinear: FP8ColumnParallelLinear,
                                   RowParallelLinear: FP8RowParallelLinear}
 
 
-def _fp8_class(cls: type) -> type:
-    if issubclass(cls, FP8LinearMixin):
-        return cls
-    if cls not in _FP8_CLASSES:  # e.g. LoRA's subclasses: FP8 below their forward
-        sub = type(f"FP8{cls.__name__}", (FP8LinearMixin, cls), {"__module__": __name__})
-        globals()[sub.__name__] = sub  # importable by name, so a converted model still pickles
-        _FP8_CLASSES[cls] = sub
-    return _FP8_CLASSES[cls]
-
-
 def convert_to_fp8(module: torch.nn.Module, recipe: FP8Recipe, native: bool = True) -> None:
     """Make one megatron parallel linear run its GEMMs in ``recipe`` (``native=False``: emulated)."""
     if not isinstance(module, ColumnParallelLinear | RowParallelLinear):
         raise TypeError(f"convert_to_fp8 takes megatron's parallel linear layers, not {type(module).__name__}")
-    module.__class__ = _fp8_class(type(module))
+    module.__class__ = with_mixin(type(module), FP8LinearMixin, "FP8", _FP8_CLASSES)  # e.g. LoRA's: FP8 below
     module.fp8_recipe, module.fp8_native = recipe, native  # type: ignore[attr-defined]
 
 
 def remove_fp8(chunks: Iterable[torch.nn.Module]) -> int:
     """Swap every converted layer back to its original class; returns how many there were."""
-    n = 0
-    for chunk in chunks:
-        for module in unwrap(chunk).modules():
-            if isinstance(module, FP8LinearMixin):
-                module.__class__ = type(module).__bases__[-1]  # (FP8LinearMixin, original)
-                del module.fp8_recipe, module.fp8_native
-                n += 1
-    return n
+    restored = restore_classes(chunks, FP8LinearMixin)
+    for module in restored:
+        del module.fp8_recipe, module.fp8_native
+    return len(restored)
 
 
 @dataclass(frozen=True)
@@ -112,12 +94,6 @@ class LayerPlan:
     recipe: str | None
     speedup: float | None
     reason: str
-
-
-def _is_te(module: torch.nn.Module) -> bool:
-    cls = type(module)
-    te = cls.__module__.startswith(("transformer_engine", "megatron.core.extensions.transformer_engine"))
-    return te and "Linear" in cls.__name__
 
 
 def _native_ok(recipe: FP8Recipe, n: int, k: int) -> bool:
@@ -253,7 +229,7 @@ def apply_fp8(chunks: list[torch.nn.Module], cfg: Any, accelerator: Accelerator,
         return []
     say = echo or (lambda _line: None)
     models = [unwrap(c) for c in chunks]
-    if any(_is_te(m) for model in models for m in model.modules()):
+    if any(is_te_linear(m) for model in models for m in model.modules()):
         say(_enable_te_fp8(models, precision))
         return []
     device = accelerator.device(local_rank)

@@ -8,9 +8,9 @@ the two only through APEX's ``fused_weight_gradient_mlp_cuda`` or TE's GEMM; her
 straight into ``main_grad`` (:func:`loong.kernels.mm_accumulate`: cuBLAS, bf16 operands, fp32 output, ``beta=1``),
 and autograd gets megatron's placeholder (``grad_added_to_main_grad``), which the hook skips.
 
-As with FP8 (:mod:`loong.core.engines.megatron.fp8`), each layer keeps its module and parameters; only its class is
-swapped for a subclass whose ``_forward_impl`` (megatron's one call around the GEMMs and their TP communication)
-runs :class:`FusedWgradLinearFunction`. A call the function does not implement (a weight that is not the layer's own;
+As with FP8, each layer keeps its module and parameters; only its class is swapped
+(:mod:`~loong.core.engines.megatron.linear_swap`) for a subclass whose ``_forward_impl`` runs
+:class:`FusedWgradLinearFunction`. A call the function does not implement (a weight that is not the layer's own;
 an embedding-wgrad deferral buffer; GTP) runs megatron's own path, as do the output layer (tied to the embedding, or
 its gradient made by the fused loss), FP8 layers (their own function) and Transformer Engine's (TE fuses this).
 """
@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 
+from loong.core.engines.megatron.linear_swap import is_te_linear, linear_call, restore_classes, with_mixin
 from loong.core.engines.megatron.state import unwrap
 from loong.core.precision.fp8_linear import (
     LinearComm,
@@ -31,26 +32,6 @@ from loong.core.precision.fp8_linear import (
     reduce_dgrad,
 )
 from loong.kernels import mm_accumulate
-
-#: the keyword arguments of megatron's ``_forward_impl`` that Loong's linear functions understand
-KNOWN_KWARGS = {"input", "weight", "bias", "gradient_accumulation_fusion", "allreduce_dgrad", "sequence_parallel",
-                "grad_output_buffer", "wgrad_deferral_limit", "tp_group", "gtp_remat_size"}
-
-
-def linear_call(layer: torch.nn.Module, args: tuple, kwargs: dict, *, fuse_wgrad: bool) -> LinearComm | None:
-    """The :class:`LinearComm` of one megatron ``_forward_impl`` call, or None when the call uses a feature Loong's
-    linear functions do not implement (megatron's own path must run it). ``fuse_wgrad``: accumulate ``dW`` into
-    ``main_grad`` inside the function."""
-    if args or set(kwargs) - KNOWN_KWARGS or kwargs.get("grad_output_buffer") is not None \
-            or kwargs.get("gtp_remat_size", 1) > 1:
-        return None
-    sp, ar = bool(kwargs.get("sequence_parallel")), bool(kwargs.get("allreduce_dgrad"))
-    group = kwargs.get("tp_group")
-    if (sp or ar) and group is None:  # RowParallelLinear passes None; it never needs the group
-        from megatron.core.utils import get_tensor_model_parallel_group_if_none
-
-        group = get_tensor_model_parallel_group_if_none(None, is_expert=getattr(layer, "is_expert", False))
-    return LinearComm(sp, ar, group, fuse_wgrad)
 
 
 class FusedWgradLinearFunction(torch.autograd.Function):
@@ -110,23 +91,13 @@ class FusedWgradLinearMixin:
 _FUSED_CLASSES: dict[type, type] = {}
 
 
-def _fused_class(cls: type) -> type:
-    if issubclass(cls, FusedWgradLinearMixin):
-        return cls
-    if cls not in _FUSED_CLASSES:  # also LoRA's subclasses: the fusion sits below their forward
-        sub = type(f"FusedWgrad{cls.__name__}", (FusedWgradLinearMixin, cls), {"__module__": __name__})
-        globals()[sub.__name__] = sub  # importable by name, so a converted model still pickles
-        _FUSED_CLASSES[cls] = sub
-    return _FUSED_CLASSES[cls]
-
-
 def _skipped(module: torch.nn.Module) -> bool:
     """FP8 layers accumulate in their own function; TE's layers fuse this themselves; megatron's own fusion (APEX)
     needs nothing."""
     from loong.core.engines.megatron.fp8 import FP8LinearMixin
 
-    te = type(module).__module__.startswith(("transformer_engine", "megatron.core.extensions.transformer_engine"))
-    return isinstance(module, FP8LinearMixin) or te or bool(getattr(module, "gradient_accumulation_fusion", False))
+    return isinstance(module, FP8LinearMixin) or is_te_linear(module) \
+        or bool(getattr(module, "gradient_accumulation_fusion", False))
 
 
 def apply_wgrad_fusion(chunks: Iterable[torch.nn.Module]) -> int:
@@ -140,17 +111,11 @@ def apply_wgrad_fusion(chunks: Iterable[torch.nn.Module]) -> int:
             if name.rsplit(".", 1)[-1] == "output_layer":
                 continue
             if isinstance(module, ColumnParallelLinear | RowParallelLinear) and not _skipped(module):
-                module.__class__ = _fused_class(type(module))
+                module.__class__ = with_mixin(type(module), FusedWgradLinearMixin, "FusedWgrad", _FUSED_CLASSES)
                 n += 1
     return n
 
 
 def remove_wgrad_fusion(chunks: Iterable[torch.nn.Module]) -> int:
     """Swap every fused layer back to its original class; returns how many there were."""
-    n = 0
-    for chunk in chunks:
-        for module in unwrap(chunk).modules():
-            if isinstance(module, FusedWgradLinearMixin):
-                module.__class__ = type(module).__bases__[-1]  # (FusedWgradLinearMixin, original)
-                n += 1
-    return n
+    return len(restore_classes(chunks, FusedWgradLinearMixin))

@@ -284,10 +284,13 @@ def vision_position_ids(grid: list[tuple[int, int, int]], merge: int, device: to
 def host_to_device(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
     """``t``, a small tensor built on the host (index tensors from the grids), on ``device`` without stalling the
     host: a plain ``.to(device)`` of pageable memory (or ``torch.tensor(..., device=...)``) waits for the stream
-    to drain, so the copy goes through pinned memory, asynchronously. A CPU ``device`` returns ``t``."""
+    to drain, so the copy goes through pinned memory, asynchronously (CUDA's pinned allocator; other devices get a
+    plain copy). A CPU ``device`` returns ``t``."""
     device = torch.device(device)
     if device.type == "cpu" or t.device == device:
         return t
+    if device.type != "cuda":
+        return t.to(device)
     return t.pin_memory().to(device, non_blocking=True)
 
 
