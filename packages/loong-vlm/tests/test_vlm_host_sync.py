@@ -19,7 +19,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, str(Path(__file__).parent / "workers"))
 from vlm_layouts import build, one_step  # noqa: E402
@@ -28,62 +27,19 @@ from loong.core.accelerators import select_accelerator  # noqa: E402
 from loong.core.engines.megatron.engine import MegatronEngine  # noqa: E402
 from loong.core.engines.megatron.layout import shutdown_distributed  # noqa: E402
 from loong.core.engines.megatron.state import unwrap  # noqa: E402
+from loong.core.host_sync import DeviceSyncRecorder  # noqa: E402
 from loong.vlm.task import VLMTask  # noqa: E402
 
 MODELS = {"qwen2_5_vl": "model=tiny", "qwen3_vl": "model=tiny_qwen3_vl"}
 UNPACKED = ["data.packing=false", "train.micro_batch_size=2", "train.global_batch_size=4"]
 
-aten = torch.ops.aten
-#: ops whose CUDA kernels copy a data-dependent value (a count, a scalar) back to the host
-SYNC_OPS = {aten._local_scalar_dense, aten.item, aten.nonzero, aten.equal, aten.masked_select, aten.is_nonzero,
-            aten._unique, aten._unique2, aten.unique_dim, aten.unique_consecutive, aten.bincount,
-            aten.masked_scatter_backward}
-
-
-def _bool_index(args: tuple) -> bool:
-    indices = args[1] if len(args) > 1 and isinstance(args[1], (list, tuple)) else ()
-    return any(isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8) for i in indices)
-
-
 #: code the CPU run takes where a GPU takes another path: the reference varlen attention (the GPU's encoder runs
 #: FlexAttention, ``choose_varlen_impl``) and megatron's unfused cross entropy (the GPU's loss is loong-kernels'
-#: fused one); the ops they call are recorded apart, in ``other_paths``
+#: fused one); the ops they call are recorded apart, in ``other_paths_seen``
 OTHER_PATHS = ("loong/core/attention/varlen.py", "megatron/core/tensor_parallel/cross_entropy.py")
 
 
-class SyncOps(TorchDispatchMode):
-    """Records the sync-prone ops called while ``active`` is set (by hooks on the model)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.active = False
-        self.seen: list[str] = []
-        self.other_paths: set[str] = set()
-
-    def _record(self, func) -> None:  # noqa: ANN001
-        import traceback
-
-        frames = [f"{f.filename}:{f.lineno}" for f in traceback.extract_stack()]
-        path = next((p for p in OTHER_PATHS for f in frames if p in f), None)
-        if path is not None:
-            self.other_paths.add(f"{func} in {path}")
-        else:
-            self.seen.append(f"{func} at {' < '.join(f for f in frames[::-1] if '/loong/' in f)[:300]}")
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
-        kwargs = kwargs or {}
-        if self.active:
-            packet = func.overloadpacket
-            if (packet in SYNC_OPS
-                    or (packet in (aten.index, aten.index_put, aten.index_put_, aten._index_put_impl_)
-                        and _bool_index(args))
-                    or (packet is aten.repeat_interleave and kwargs.get("output_size") is None
-                        and isinstance(args[0], torch.Tensor) and len(args) < 4)):
-                self._record(func)
-        return func(*args, **kwargs)
-
-
-def _step(root: Path, overrides: list[str], mode: SyncOps | None = None) -> dict:
+def _step(root: Path, overrides: list[str], mode: DeviceSyncRecorder | None = None) -> dict:
     """One training step's loss and gradients (no optimiser step); with ``mode``, the model's forward and
     backward run under it (set active by hooks around the VLM's forward and the backward of its output)."""
     acc = select_accelerator("cpu")
@@ -155,9 +111,9 @@ def test_unpacked_rows_without_document_ids_equal_the_document_mask(root: Path, 
 @pytest.mark.parametrize("family", list(MODELS))
 @pytest.mark.parametrize("packing", [True, False], ids=["packed", "unpacked"])
 def test_the_model_forward_and_backward_never_sync_the_device(root: Path, family: str, packing: bool) -> None:
-    mode = SyncOps()
+    mode = DeviceSyncRecorder(other_paths=OTHER_PATHS)
     _step(root, [MODELS[family], f"data.packing={str(packing).lower()}", "train.micro_batch_size=2",
                  "train.global_batch_size=4"], mode)
     assert mode.seen == [], "device-to-host syncs in the model:\n" + "\n".join(sorted(set(mode.seen)))
-    assert mode.other_paths <= {"aten.unique_consecutive.default in loong/core/attention/varlen.py",
+    assert mode.other_paths_seen <= {"aten.unique_consecutive.default in loong/core/attention/varlen.py",
                                 "aten.index_put_.default in megatron/core/tensor_parallel/cross_entropy.py"}

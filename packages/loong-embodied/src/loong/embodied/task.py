@@ -175,6 +175,16 @@ def load_initial_weights(model: nn.Module, path: Path, spec: PolicySpec, config:
     dcp.load(state, checkpoint_id=str(step_dir))  # in place, into the model's own tensors
 
 
+def _policy(model: nn.Module) -> VLAPolicy:
+    """The policy inside the engine's wrappers (DDP's ``module``, torch.compile's ``_orig_mod``)."""
+    while not isinstance(model, VLAPolicy):
+        inner = getattr(model, "module", None) or getattr(model, "_orig_mod", None)
+        if inner is None:
+            raise TypeError(f"{type(model).__name__} holds no VLAPolicy")
+        model = inner
+    return model
+
+
 @TASKS.register("embodied.vla")
 class VLATask(FSDPTask):
     """Flow-matching training of ``model`` (a :class:`~loong.embodied.schema.PolicyModelConfig`) on ``data``."""
@@ -340,10 +350,23 @@ class VLATask(FSDPTask):
         found = [m for name, m in block.named_modules() if name.rsplit(".", 1)[-1] in MLP_NAMES]
         return max(found, key=lambda m: sum(p.numel() for p in m.parameters()), default=None)
 
-    def loss(self, model: nn.Module, batch: dict[str, Any]) -> tuple[torch.Tensor, dict[str, Any]]:
+    def cuda_graph_unsupported(self, model: nn.Module) -> str | None:
+        policy = _policy(model)
+        if not policy.cuda_graph_safe:
+            return f"model.policy={policy.name}: its training step is not declared capture-safe"
+        return None
+
+    def prepare(self, model: nn.Module, batch: dict[str, Any]) -> dict[str, Any]:
+        """Seed this micro-batch's draws (noise and time, whatever the layout), then let the policy make the draws
+        it takes on the host; the device step (:meth:`loss`) then draws only on the device."""
         inputs = dict(batch)
-        torch.manual_seed(inputs.pop(SEED_KEY))  # this micro-batch's noise and time, whatever the layout
-        loss, metrics = model(inputs)
+        torch.manual_seed(inputs.pop(SEED_KEY))
+        return _policy(model).host_draws(inputs)
+
+    def loss(self, model: nn.Module, batch: dict[str, Any]) -> tuple[torch.Tensor, dict[str, Any]]:
+        if SEED_KEY in batch:  # a caller that did not prepare the batch (the engine always does)
+            batch = self.prepare(model, batch)
+        loss, metrics = model(batch)
         return loss, metrics
 
     def save_artifacts(self, checkpoint_dir: Path) -> None:

@@ -62,6 +62,9 @@ class VLAPolicy(nn.Module, ABC):
 
     #: the registry name (``pi05``, ``groot_n1_7``, ``groot_n1_6``)
     name: ClassVar[str]
+    #: whether :meth:`loss` on inputs that :meth:`host_draws` completed can be captured in a CUDA graph
+    #: (``train.cuda_graphs``): no device-to-host sync, no host tensor copied to the device, no host-side draw
+    cuda_graph_safe: ClassVar[bool] = False
 
     def __init__(self, config: PolicyConfig) -> None:
         super().__init__()
@@ -88,6 +91,12 @@ class VLAPolicy(nn.Module, ABC):
         """:meth:`loss`: training calls the module itself, since the engine's wrappers (FSDP2's root unsharding,
         DDP's gradient sync) hook ``forward``, which a direct ``policy.loss(...)`` would bypass."""
         return self.loss(inputs, noise=noise, time=time)
+
+    def host_draws(self, inputs: Mapping[str, Any]) -> dict[str, Any]:
+        """``inputs`` with the random draws :meth:`loss` takes from the host (CPU) generator added as tensors, so
+        that the device step that follows draws only on the device (and can be a replayed CUDA graph). Called by
+        the task after it seeds the micro-batch's generators, in the order the loss would draw. Default: none."""
+        return dict(inputs)
 
     def blocks(self) -> list[nn.Module]:
         """The repeated transformer blocks, in order (the units FSDP2 shards and recomputation wraps);
