@@ -52,6 +52,11 @@ class PolicyConfig:
         return dataclasses.replace(self, **changes)
 
 
+#: the inputs key of the flow-matching times :meth:`VLAPolicy.host_draws` drew on the host (``[b]`` fp32); a
+#: policy's :meth:`VLAPolicy.loss` takes them from there when its ``time`` argument is None
+FLOW_TIME_KEY = "flow_time"
+
+
 class VLAPolicy(nn.Module, ABC):
     """A vision-language-action policy: the trained module.
 
@@ -159,4 +164,4 @@ class PolicySpec:
     lerobot: str | None = None
 
 
-__all__ = ["PolicyConfig", "PolicyProcessor", "PolicySpec", "VLAPolicy"]
+__all__ = ["FLOW_TIME_KEY", "PolicyConfig", "PolicyProcessor", "PolicySpec", "VLAPolicy"]
