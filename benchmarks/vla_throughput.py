@@ -23,6 +23,9 @@ Rows (:data:`ROWS`; ``--rows`` picks):
 - ``groot_n1_7/lerobot``: ``lerobot-train --policy.type=groot --policy.base_model_path=<the stand-in base>``
   with its defaults (backbone frozen: ``tune_llm`` / ``tune_visual`` false; fp32 weights, bf16 autocast);
 - ``groot_n1_7/loong``: ``loong-embodied train model.policy=groot_n1_7 model.preset=groot_n1_7``;
+- ``groot_n1_7/loong_ddp``, ``groot_n1_7/loong_graphs``, ``pi05/loong_graphs``: the Loong row with
+  ``parallel.fsdp=none`` (replicated weights: on one GPU FSDP2 only costs its per-block casts), and with
+  ``train.cuda_graphs=true`` as well (each micro-batch's forward + backward replayed as one CUDA graph);
 - ``groot_n1_6/loong``: ``loong-embodied train model.policy=groot_n1_6 model.preset=groot_n1_6`` (no baseline).
 
 Columns (medians over the steps after ``--warmup``): seconds per step (lerobot: its ``updt_s + data_s``, the
@@ -98,22 +101,33 @@ def _lerobot(policy: str, *extra: str) -> Callable[[argparse.Namespace, dict, Pa
     return run
 
 
-def _loong(policy: str, preset: str) -> Callable[[argparse.Namespace, dict, Path], dict]:
+def _loong(policy: str, preset: str, *extra: str) -> Callable[[argparse.Namespace, dict, Path], dict]:
     def run(args: argparse.Namespace, prep: dict, tmp: Path) -> dict:
         from vla_rows import run_loong
 
-        return run_loong(policy, "tiny" if args.smoke else preset, args, prep, tmp, list(args.loong_extra))
+        return run_loong(policy, "tiny" if args.smoke else preset, args, prep, tmp, [*extra, *args.loong_extra])
     return run
 
 
+#: the overrides of the ``*_graphs`` rows (``_ddp``: the same without graphs, the eager step they replace)
+DDP = ("parallel.fsdp=none",)
+GRAPHS = (*DDP, "train.cuda_graphs=true")
+
+
+_NO_GRAPHS_ON_CPU = "CUDA graphs need a GPU"
 _NO_TINY_PI05 = "lerobot's Pi0.5 has no size knobs (4.1B parameters, about 18 GB and 6 min to build on a CPU)"
 ROWS: dict[str, Row] = {
     "pi05/lerobot": Row("lerobot-train, bf16", _lerobot("pi05"), smoke=_NO_TINY_PI05),
     "pi05/lerobot_gc": Row("lerobot-train, bf16, gradient ckpt", _lerobot("pi05", "--policy.gradient_checkpointing=true"),
                            smoke=_NO_TINY_PI05),
     "pi05/loong": Row("loong-embodied train, bf16", _loong("pi05", "pi05")),
+    "pi05/loong_graphs": Row("loong-embodied train, bf16, CUDA graphs (no FSDP)", _loong("pi05", "pi05", *GRAPHS),
+                              smoke=_NO_GRAPHS_ON_CPU),
     "groot_n1_7/lerobot": Row("lerobot-train (its defaults)", _lerobot("groot"), groot_base=True),
     "groot_n1_7/loong": Row("loong-embodied train, bf16", _loong("groot_n1_7", "groot_n1_7")),
+    "groot_n1_7/loong_ddp": Row("loong-embodied train, bf16, no FSDP", _loong("groot_n1_7", "groot_n1_7", *DDP)),
+    "groot_n1_7/loong_graphs": Row("loong-embodied train, bf16, CUDA graphs (no FSDP)",
+                                   _loong("groot_n1_7", "groot_n1_7", *GRAPHS), smoke=_NO_GRAPHS_ON_CPU),
     "groot_n1_6/loong": Row("loong-embodied train, bf16", _loong("groot_n1_6", "groot_n1_6")),
 }
 SMOKE_DEFAULTS = dict(image_size=32, episodes=12, batch=2, steps=3, warmup=1, workers=0)

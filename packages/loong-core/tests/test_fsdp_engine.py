@@ -24,7 +24,7 @@ WORKERS = Path(__file__).parent / "workers"
 WORKER = WORKERS / "fsdp_layouts.py"
 
 REFERENCES = ["llama-single", "llama-single-frozen", "dit-single", "dit-single-frozen", "reshard_single",
-              "llama-single-ema", "dit-single-ema"]
+              "llama-single-ema", "dit-single-ema", "llama-ddp1-graphs"]
 CASES = {  # world-2 case -> its single-process reference
     "llama-full": "llama-single",
     "llama-hybrid2x1": "llama-single",
@@ -42,7 +42,11 @@ CASES = {  # world-2 case -> its single-process reference
     "dit-hybrid1x2-offload": "dit-single",
     "llama-full-ema": "llama-single-ema",
     "dit-ddp-ema": "dit-single-ema",
+    "llama-ddp-graphs": "llama-single",
+    "dit-ddp-graphs": "dit-single",
 }
+#: one-process cases compared like the world-2 ones
+SINGLE_CASES = {"llama-ddp1-graphs": "llama-single"}
 CP_CASES = {  # world-4 case -> its single-process reference
     "dit-ulysses2": "dit-single",
     "dit-ring2": "dit-single",
@@ -83,9 +87,9 @@ def _close(a: object, b: object, what: str) -> None:
     torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=lambda m: f"{what}: {m}")
 
 
-@pytest.mark.parametrize("case", sorted(CASES) + sorted(CP_CASES))
+@pytest.mark.parametrize("case", sorted(CASES) + sorted(CP_CASES) + sorted(SINGLE_CASES))
 def test_layout_equals_one_process(results: Path, case: str) -> None:
-    got, ref = _load(results, case), _load(results, {**CASES, **CP_CASES}[case])
+    got, ref = _load(results, case), _load(results, {**CASES, **CP_CASES, **SINGLE_CASES}[case])
     _close(torch.tensor(got["loss"]), torch.tensor(ref["loss"]), "losses over 10 steps")
     _close(torch.tensor(got["grad_norm"]), torch.tensor(ref["grad_norm"]), "grad norms")
     for step in (0, 9):
@@ -143,3 +147,12 @@ def test_ema_is_the_moving_average_of_the_weights(results: Path, case: str) -> N
         ref = _load(results, case.replace("-full-", "-single-").replace("-ddp-", "-single-"))
         for name, average in ref["ema"].items():
             _close(got["ema"][name], average, f"moving average of {name}")
+
+
+@pytest.mark.parametrize("case", ["llama-ddp-graphs", "dit-ddp-graphs", "llama-ddp1-graphs"])
+def test_cuda_graph_cases_replayed_every_micro_batch_after_the_first(results: Path, case: str) -> None:
+    """The graph cases above equal the eager reference; here: they did go through one capture and replays (10
+    steps of 2 micro-batches at world 2, of 4 in one process; one batch shape, so one graph)."""
+    got = _load(results, case)["graphs"]
+    micro_batches = 10 * (4 if case.endswith("ddp1-graphs") else 2)
+    assert got == {"graphs": 1, "eager": 0, "captures": 1, "replays": micro_batches}

@@ -20,6 +20,7 @@ from torch.distributed.tensor import DTensor
 
 sys.path.insert(0, str(Path(__file__).parent))
 
+from graph_replay import ReplayingCPUAccelerator  # noqa: E402
 from toy_tasks import toy_config  # noqa: E402
 
 from loong.core.accelerators import select_accelerator  # noqa: E402
@@ -35,6 +36,7 @@ LAYOUTS = {
     "hybrid2x1": {"fsdp": "hybrid", "dp_replicate": 2, "dp_shard": 1},
     "hybrid1x2": {"fsdp": "hybrid", "dp_replicate": 1, "dp_shard": 2},
     "ddp": {"fsdp": "none"},
+    "ddp1": {"fsdp": "none"},  # the same, named apart for a one-process case beside the world-2 one
     # context parallelism (world 4): Ulysses, ring, both; with FSDP over the remaining ranks, or HSDP, or DDP
     "ulysses2": {"cp_ulysses": 2},
     "ring2": {"cp_ring": 2},
@@ -46,7 +48,8 @@ LAYOUTS = {
 
 def case_config(name: str, out: Path):  # noqa: ANN201
     """``<task>-<layout>[-<variant>]``: e.g. ``llama-full-recompute_full``, ``dit-ddp``, ``llama-single-frozen``,
-    ``dit-hybrid2x1-offload`` (``parallel.fsdp_cpu_offload``), ``llama-full-ema`` (``train.ema_decay``)."""
+    ``dit-hybrid2x1-offload`` (``parallel.fsdp_cpu_offload``), ``llama-full-ema`` (``train.ema_decay``),
+    ``llama-ddp-graphs`` (``train.cuda_graphs`` through :mod:`graph_replay`'s CPU backend)."""
     task, layout, *variant = name.split("-")
     model: dict = {}
     train: dict = {}
@@ -54,6 +57,8 @@ def case_config(name: str, out: Path):  # noqa: ANN201
     for v in variant:
         if v == "ema":
             train["ema_decay"] = EMA_DECAY
+        elif v == "graphs":
+            train["cuda_graphs"] = True
         elif v == "offload":
             parallel["fsdp_cpu_offload"] = True
         elif v.startswith("recompute_"):
@@ -71,7 +76,7 @@ def _whole(t: torch.Tensor) -> torch.Tensor:
 def train_case(name: str, out: Path) -> dict:
     """Drive the engine directly (no trainer) to read the gradients after each step."""
     cfg = case_config(name, out)
-    acc = select_accelerator()
+    acc = ReplayingCPUAccelerator() if cfg.train.cuda_graphs else select_accelerator()
     layout = FSDPEngine.init_layout(acc, cfg)
     FSDPEngine.seed(cfg.train.seed, acc, layout)
     task = TASKS.get(cfg.task)(cfg, acc, layout)
@@ -97,6 +102,10 @@ def train_case(name: str, out: Path) -> dict:
         record["trajectory"] = trajectory
         record["ema"] = {name: _whole(t) for name, t in engine.ema.state_dict().items()}
     record["optimizer_params"] = sum(len(g["params"]) for g in engine.optimizer.param_groups)
+    if engine.graphs is not None:
+        backend = engine.graphs._backend
+        record["graphs"] = {"graphs": engine.graphs.num_graphs, "eager": engine.graphs.num_eager,
+                            "captures": backend.captures, "replays": backend.replays}
     record["optimizer_state"] = len(engine.optimizer.state)
     FSDPEngine.shutdown(layout)  # leaves a group the worker made itself
     return record

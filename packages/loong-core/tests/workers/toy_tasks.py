@@ -178,6 +178,9 @@ class _ToyTask(FSDPTask):
     def tokens_per_step(self) -> int:
         return self.gbs * self.seq
 
+    def cuda_graph_unsupported(self, model: nn.Module) -> str | None:
+        return None  # the toy steps are plain tensor code of fixed shapes
+
     def build_model(self) -> nn.Module:
         model = self.model_class(self.cfg.model, self.layout.cp_groups)
         for name, p in model.named_parameters():

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 
@@ -84,6 +85,11 @@ class Accelerator:
         no kernel here), ``compile_unsupported`` (``torch.compile`` cannot build for this device),
         ``no_pinned_memory`` (host memory cannot be pinned: offloaded shards stay pageable)."""
         return {}
+
+    def graph_backend(self) -> Any | None:
+        """What ``train.cuda_graphs`` captures and replays with on this hardware (a
+        :class:`loong.core.engines.fsdp.cuda_graph.GraphBackend`), or None when the hardware has no graphs."""
+        return None
 
     def megatron_config_overrides(self) -> dict:
         """TransformerConfig fields this hardware needs (e.g. initialising weights on the host)."""

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import importlib.util
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -11,6 +13,43 @@ from loong.core.accelerators.base import Accelerator
 # Dense bf16/fp16 tensor-core peaks per device (vendor datasheets, SXM parts, no sparsity).
 _PEAK_BF16 = {"H200": 989e12, "H100": 989e12, "H800": 989e12, "H20": 148e12, "A100": 312e12,
               "A800": 312e12, "B200": 2250e12, "L40S": 362e12, "L4": 121e12}
+
+
+class CUDAGraphBackend:
+    """``torch.cuda.CUDAGraph`` capture for ``train.cuda_graphs`` (the fsdp engine's ``StepGraphs`` keeps the
+    books): warm-up on a side stream, capture into a shared memory pool, replay; the random state of both the
+    device's and the host's generator (a replay draws from the device's, advancing it as the eager step would)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    def warmup(self, fn: Callable[[], Any], iters: int) -> None:
+        main = torch.cuda.current_stream(self.device)
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(main)
+        with torch.cuda.stream(side):
+            for _ in range(iters):
+                fn()
+        main.wait_stream(side)
+
+    def capture(self, fn: Callable[[], Any], pool: Any | None) -> tuple[torch.cuda.CUDAGraph, Any]:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool):
+            out = fn()
+        return graph, out
+
+    def replay(self, graph: torch.cuda.CUDAGraph) -> None:
+        graph.replay()
+
+    def pool(self, graph: torch.cuda.CUDAGraph) -> Any:
+        return graph.pool()
+
+    def rng_state(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.cuda.get_rng_state(self.device), torch.get_rng_state()
+
+    def set_rng_state(self, state: tuple[torch.Tensor, torch.Tensor]) -> None:
+        torch.cuda.set_rng_state(state[0], self.device)
+        torch.set_rng_state(state[1])
 
 
 class CUDAAccelerator(Accelerator):
@@ -72,6 +111,9 @@ class CUDAAccelerator(Accelerator):
 
     def max_memory_allocated(self) -> int | None:
         return torch.cuda.max_memory_allocated()
+
+    def graph_backend(self) -> CUDAGraphBackend:
+        return CUDAGraphBackend(torch.device("cuda", torch.cuda.current_device()))
 
     def reset_peak_memory(self) -> None:
         torch.cuda.reset_peak_memory_stats()

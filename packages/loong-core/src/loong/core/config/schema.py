@@ -170,6 +170,9 @@ class TrainConfig:
     profile_steps: Annotated[list[PositiveInt], KEEPS_RUN] = field(default_factory=list)
     # fsdp engine: torch.compile each block (graph breaks are printed once, after the first step)
     compile: bool = False
+    # fsdp engine, CUDA: capture each micro-batch's forward + backward in a CUDA graph (one per batch shape) and
+    # replay it; needs parallel.fsdp=none, model.recompute=none and a task whose step is capture-safe
+    cuda_graphs: Annotated[bool, KEEPS_RUN] = False
     # fsdp engine: an exponential moving average of the (fp32, sharded) weights, updated after every optimiser step,
     # ema = decay·ema + (1 − decay)·weights (0: off); saved in checkpoints. export_ema: train.save_hf writes the EMA
     ema_decay: Annotated[float, Check(ge=0, lt=1, note="0: off; e.g. 0.999")] = 0.0

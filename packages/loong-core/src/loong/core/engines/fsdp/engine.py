@@ -18,6 +18,7 @@ from loong.core.accelerators.base import Accelerator
 from loong.core.config.schema import RunConfig
 from loong.core.engines.base import Engine, PendingSave, StepMetrics, num_microbatches, resolve_dtype
 from loong.core.engines.fsdp import checkpoint
+from loong.core.engines.fsdp.cuda_graph import StepGraphs
 from loong.core.engines.fsdp.ema import WeightEMA
 from loong.core.engines.fsdp.mesh import FSDPLayout, check_parallel, init_mesh
 from loong.core.engines.fsdp.schedule import lr_at, param_groups
@@ -78,6 +79,14 @@ class FSDPEngine(Engine):
                              "layers only; set precision.fp8=off on the fsdp engine")
         check_parallel(cfg.parallel)
         recompute_mode(cfg)
+        if cfg.train.cuda_graphs:
+            if cfg.parallel.fsdp != "none":
+                raise LoongError(f"train.cuda_graphs=true with parallel.fsdp={cfg.parallel.fsdp}: FSDP2 gathers and "
+                                 "frees the parameters around every block, which a replayed graph cannot follow; set "
+                                 "parallel.fsdp=none (replicated weights, as DDP) or drop train.cuda_graphs")
+            if recompute_mode(cfg) != "none":
+                raise LoongError(f"train.cuda_graphs=true with model.recompute={recompute_mode(cfg)}: recomputation "
+                                 "is not captured; set model.recompute=none or drop train.cuda_graphs")
 
     @classmethod
     def init_layout(cls, accelerator: Accelerator, cfg: RunConfig) -> FSDPLayout:
@@ -107,8 +116,15 @@ class FSDPEngine(Engine):
             apply_compile(blocks, task.compile_options())
         self.ddp = cfg.parallel.fsdp == "none"
         adaptations = accelerator.fsdp_adaptations()
-        self.model = shard(model, blocks, layout, self.dtype, t.grad_reduce_in_bf16,
-                           pin_memory="no_pinned_memory" not in adaptations, cast_root_inputs=task.cast_root_inputs)
+        backend = self._graph_backend(task, model) if t.cuda_graphs else None
+        self.graphs: StepGraphs | None = None
+        if backend is not None:  # replicated weights without DDP: the gradients are all-reduced after the step
+            self._broadcast_from_first(model)
+            self.model = model
+        else:
+            self.model = shard(model, blocks, layout, self.dtype, t.grad_reduce_in_bf16,
+                               pin_memory="no_pinned_memory" not in adaptations,
+                               cast_root_inputs=task.cast_root_inputs)
         self.bare = model  # the unwrapped module (the same object as self.model under FSDP2)
         self.model_chunks = [self.model]
         self.params = [p for p in self.model.parameters() if p.requires_grad]
@@ -123,6 +139,8 @@ class FSDPEngine(Engine):
         # the moving averages start at the weights the run starts from; a resume loads or restarts them (load)
         self.ema = WeightEMA(((clean_name(n), p) for n, p in self.model.named_parameters() if p.requires_grad),
                              t.ema_decay) if t.ema_decay else None
+        if backend is not None:
+            self.graphs = StepGraphs(self._forward_backward, self.params, backend, self.echo)
         self.num_steps = 0
         self._cpu_group = dist.new_group(backend="gloo") if t.async_save else None
         self._compile_reported = not t.compile
@@ -131,6 +149,27 @@ class FSDPEngine(Engine):
             from loong.core.debug import GradientProbe
 
             self.probe = GradientProbe([self.bare])
+
+    def _graph_backend(self, task: FSDPTask, model: nn.Module) -> Any:
+        """``train.cuda_graphs``: the accelerator's capture, once the task says its step can be captured."""
+        backend = self.accelerator.graph_backend()
+        if backend is None:
+            raise LoongError(f"train.cuda_graphs=true: the {self.accelerator.name} accelerator has no graph capture "
+                             "(CUDA graphs need an NVIDIA GPU); drop train.cuda_graphs")
+        why = task.cuda_graph_unsupported(model)
+        if why is not None:
+            raise LoongError(f"train.cuda_graphs=true: {why}; drop train.cuda_graphs")
+        return backend
+
+    def _broadcast_from_first(self, model: nn.Module) -> None:
+        """Every data-parallel rank starts from the first one's weights and buffers (what DDP does when built)."""
+        group = self.layout.dp_cp_group
+        if dist.get_world_size(group) == 1:
+            return
+        first = dist.get_global_rank(group, 0)
+        with torch.no_grad():
+            for t in [*model.parameters(), *model.buffers()]:
+                dist.broadcast(t.data, src=first, group=group)
 
     # --- stepping ----------------------------------------------------------------------------
     def _sync(self, last: bool) -> contextlib.AbstractContextManager[None]:
@@ -141,10 +180,25 @@ class FSDPEngine(Engine):
         return contextlib.nullcontext()
 
     def _autocast(self) -> contextlib.AbstractContextManager[None]:
-        """DDP has no parameter casting of its own: bf16 compute through autocast (FSDP2 casts per block)."""
+        """DDP has no parameter casting of its own: bf16 compute through autocast (FSDP2 casts per block). Under
+        ``train.cuda_graphs`` without autocast's cast cache, whose copies would outlive the captured step."""
         if self.ddp and self.dtype != torch.float32:
-            return torch.autocast(self.device.type, dtype=self.dtype)
+            return torch.autocast(self.device.type, dtype=self.dtype, cache_enabled=self.graphs is None)
         return contextlib.nullcontext()
+
+    def _forward_backward(self, batch: Any, scale: torch.Tensor) -> torch.Tensor:
+        """A prepared micro-batch's forward and backward (gradients scaled by ``scale``); its detached loss: the
+        step ``train.cuda_graphs`` captures."""
+        with self._autocast():
+            loss, _metrics = self.task.loss(self.model, batch)
+        (loss * scale).backward()
+        return loss.detach()
+
+    def _zero_grads(self) -> None:
+        if self.graphs is not None:
+            self.graphs.zero_grads()  # the graphs write into this memory: cleared, never freed
+        else:
+            self.optimizer.zero_grad(set_to_none=True)
 
     def _mean_over_dp_cp(self, losses: list[torch.Tensor]) -> torch.Tensor:
         """The micro-batch losses' mean, averaged over data × context parallelism (on the device: no host sync)."""
@@ -160,13 +214,19 @@ class FSDPEngine(Engine):
         for i, batch in enumerate(batches):
             if i == nmb:
                 break
+            batch = _to_device(self.task.prepare(self.bare, batch), self.device)
+            if backward and self.graphs is not None:
+                losses.append(self.graphs.run(batch, 1.0 / nmb, first=i == 0))
+                continue
             with self._sync(i == nmb - 1) if backward else contextlib.nullcontext(), self._autocast():
-                loss, _metrics = self.task.loss(self.model, _to_device(batch, self.device))
+                loss, _metrics = self.task.loss(self.model, batch)
             if backward:
                 (loss / nmb).backward()
             losses.append(loss.detach())
         if len(losses) != nmb:
             raise LoongError(f"the task gave {len(losses)} micro-batches for a step of {nmb}")
+        if backward and self.graphs is not None:
+            self.graphs.reduce_gradients(self.layout.dp_cp_group, self.cfg.train.grad_reduce_in_bf16)
         return losses
 
     def _grad_norm(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -199,7 +259,7 @@ class FSDPEngine(Engine):
     def train_step(self, step: int) -> StepMetrics:
         t = self.cfg.train
         self.model.train()
-        self.optimizer.zero_grad(set_to_none=True)
+        self._zero_grads()
         nmb = self.task.num_train_microbatches(step, self.num_microbatches)
         started = time.perf_counter()
         if self.probe is not None:
@@ -224,7 +284,7 @@ class FSDPEngine(Engine):
                 gathered: list[str | None] = [None] * dist.get_world_size()
                 dist.all_gather_object(gathered, self.probe.report())
                 origin = next((f"{r} (rank {i})" for i, r in enumerate(gathered) if r), None)
-            self.optimizer.zero_grad(set_to_none=True)
+            self._zero_grads()
             extra.update(loss_finite=float(not loss_bad), grads_nonfinite=float(grads_bad))
             return StepMetrics(loss=loss, lr=lr, skipped=True, nonfinite=True, extra=extra,
                                nonfinite_params=names, nonfinite_origin=origin)

@@ -72,7 +72,8 @@ class MegatronEngine(Engine):
         fsdp_only = {"parallel.fsdp": (p.fsdp, "full"), "parallel.dp_replicate": (p.dp_replicate, -1),
                      "parallel.dp_shard": (p.dp_shard, -1), "parallel.cp_ulysses": (p.cp_ulysses, 1),
                      "parallel.cp_ring": (p.cp_ring, 1), "parallel.fsdp_cpu_offload": (p.fsdp_cpu_offload, False),
-                     "train.compile": (cfg.train.compile, False)}
+                     "train.compile": (cfg.train.compile, False),
+                     "train.cuda_graphs": (cfg.train.cuda_graphs, False)}
         for key, (value, default) in fsdp_only.items():
             if value != default:
                 raise LoongError(f"{key}={value}: an fsdp engine option; the megatron engine's data parallelism is "
