@@ -13,6 +13,11 @@ token, action tokens to the whole valid prefix and to each other, and no prefix 
 (masked cameras, prompt padding) is invisible to all. Positions count valid tokens only. At inference the prefix
 runs once through the VLM layers (its keys/values cached per layer); each of ``num_inference_steps`` Euler steps
 (``t`` from 1 to 0, ``x += dt * v``) runs only the expert layers over that cache.
+
+The training step is capture-safe (``cuda_graph_safe``): the times are Beta draws of the host generator, so
+:meth:`Pi05Policy.host_draws` makes them before the step (``inputs[FLOW_TIME_KEY]``); the noise is drawn on the
+device; nothing in the forward or backward reads a device value back or copies host data in (the mask, the
+positions and the embedding scale are device ops of the shapes and the padding masks).
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from loong.core.errors import LoongError
-from loong.embodied.policies.base import VLAPolicy
+from loong.embodied.policies.base import FLOW_TIME_KEY, VLAPolicy
 from loong.embodied.policies.pi05.config import Pi05Config
 from loong.embodied.policies.pi05.gemma import AdaRMSNorm, GemmaLayer, GemmaRMSNorm, JointLayer
 
@@ -41,7 +46,8 @@ def sinusoidal_embedding(time: torch.Tensor, dim: int, min_period: float, max_pe
 
 
 def sample_time(batch: int, config: Pi05Config, device: torch.device) -> torch.Tensor:
-    """Flow-matching times ``Beta(alpha, beta) * scale + offset`` (drawn on the CPU, as openpi / lerobot)."""
+    """Flow-matching times ``Beta(alpha, beta) * scale + offset`` (drawn on the CPU, as openpi / lerobot; in
+    training by :meth:`Pi05Policy.host_draws`, before the device step)."""
     beta = torch.distributions.Beta(torch.tensor(config.time_sampling_beta_alpha, dtype=torch.float32),
                                     torch.tensor(config.time_sampling_beta_beta, dtype=torch.float32))
     t = beta.sample((batch,)) * config.time_sampling_scale + config.time_sampling_offset
@@ -64,6 +70,7 @@ class Pi05Policy(VLAPolicy):
     ``action_mask [b, max_action_dim]`` (the real action dims)."""
 
     name = "pi05"
+    cuda_graph_safe = True
 
     def __init__(self, config: Pi05Config) -> None:
         from transformers import SiglipVisionConfig, SiglipVisionModel
@@ -135,8 +142,9 @@ class Pi05Policy(VLAPolicy):
         image_emb = self.projector(features).view(b, n_cam * features.shape[1], -1)
         image_pad = image_masks.repeat_interleave(features.shape[1], dim=1)
         weight = self.embed_tokens.weight
-        # Gemma scales its token embeddings by sqrt(width), rounded to the weights' dtype (as transformers does)
-        scale = float(torch.tensor(weight.shape[1] ** 0.5, dtype=weight.dtype))
+        # Gemma scales its token embeddings by sqrt(width), rounded to the weights' dtype (as transformers does);
+        # a device fill, not a tensor of host data
+        scale = torch.full((), weight.shape[1] ** 0.5, dtype=weight.dtype, device=weight.device)
         text_emb = self.embed_tokens(tokens) * scale
         emb = torch.cat([image_emb.to(text_emb.dtype), text_emb], dim=1)
         pad = torch.cat([image_pad, token_masks], dim=1)
@@ -156,8 +164,8 @@ class Pi05Policy(VLAPolicy):
         suffix, cond = self.embed_suffix(x_t, time)
         chunk = suffix.shape[1]
         suffix_pad = torch.ones(suffix.shape[:2], dtype=torch.bool, device=suffix.device)
-        suffix_blocks = torch.zeros(chunk, dtype=torch.long, device=suffix.device)
-        suffix_blocks[0] = 1  # the actions start a block the prefix cannot see
+        # the actions start a block the prefix cannot see (a 1 at the first action token)
+        suffix_blocks = (torch.arange(chunk, device=suffix.device) == 0).long()
         pad = torch.cat([prefix_pad, suffix_pad], dim=1)
         mask = prefix_lm_mask(pad, torch.cat([prefix_blocks, suffix_blocks]))
         position_ids = torch.cumsum(pad, dim=1) - 1
@@ -167,22 +175,44 @@ class Pi05Policy(VLAPolicy):
         out, _ = self.expert_norm(suffix, cond)
         return self.action_out_proj(out.to(self.action_out_proj.weight.dtype)).float()
 
+    def _actions(self, inputs: Mapping[str, torch.Tensor], where: str) -> torch.Tensor:
+        """``inputs["actions"]`` ``[b, chunk_size, max_action_dim]``, refused (a LoongError) when absent or of
+        another shape."""
+        if "actions" not in inputs:
+            raise LoongError(f"pi05 {where}: the inputs have no 'actions' (the processor makes them when train=True)")
+        actions = inputs["actions"]
+        if tuple(actions.shape[1:]) != (self.config.chunk_size, self.config.max_action_dim):
+            raise LoongError(f"pi05 {where}: actions of shape {list(actions.shape)}; expected [b, "
+                             f"{self.config.chunk_size}, {self.config.max_action_dim}] (chunk_size, max_action_dim)")
+        return actions
+
+    def host_draws(self, inputs: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """``inputs`` with the flow times (``FLOW_TIME_KEY``, ``[b]`` fp32) drawn on the host (:func:`sample_time`:
+        Beta draws of the CPU generator), which :meth:`loss` then takes; its noise it draws on the device."""
+        out = dict(inputs)
+        out[FLOW_TIME_KEY] = sample_time(self._actions(inputs, "host_draws").shape[0], self.config,
+                                         torch.device("cpu"))
+        return out
+
     def loss(self, inputs: Mapping[str, torch.Tensor], *, noise: torch.Tensor | None = None,
              time: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """The flow-matching loss: MSE between ``noise - actions`` and the velocity, averaged over the batch, the
         chunk and the real action dims (``action_mask``; all dims when absent), as lerobot's ``PI05Policy``
-        (which, like openpi, also counts the steps past an episode's end that ``action_is_pad`` marks)."""
-        if "actions" not in inputs:
-            raise LoongError("pi05 loss: the inputs have no 'actions' (the processor makes them when train=True)")
-        actions = inputs["actions"].float()
-        b, chunk, dim = actions.shape
-        if (chunk, dim) != (self.config.chunk_size, self.config.max_action_dim):
-            raise LoongError(f"pi05 loss: actions of shape {list(actions.shape)}; expected [b, {self.config.chunk_size}"
-                             f", {self.config.max_action_dim}] (chunk_size, max_action_dim)")
+        (which, like openpi, also counts the steps past an episode's end that ``action_is_pad`` marks).
+
+        ``time`` None: the times :meth:`host_draws` put in ``inputs[FLOW_TIME_KEY]``, else drawn here, after the
+        noise (lerobot's order)."""
+        actions = self._actions(inputs, "loss").float()
+        chunk = actions.shape[1]
         if noise is None:
             noise = torch.randn_like(actions)
         if time is None:
-            time = sample_time(b, self.config, actions.device)
+            time = inputs.get(FLOW_TIME_KEY)
+        if time is None:
+            time = sample_time(actions.shape[0], self.config, actions.device)
+        if tuple(time.shape) != actions.shape[:1]:
+            raise LoongError(f"pi05 loss: flow times ('{FLOW_TIME_KEY}' or time=) of shape {list(time.shape)}; "
+                             f"expected [{actions.shape[0]}] (one per sample)")
         t = time.float()[:, None, None]
         x_t = t * noise + (1 - t) * actions
         target = noise - actions
