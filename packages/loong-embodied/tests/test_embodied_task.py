@@ -63,6 +63,9 @@ def out(tmp_path_factory: pytest.TempPathFactory) -> Path:
     (["data.weights=[1,2]"], ["data.weights=[1.0, 2.0]: one weight per dataset"]),
     (["data.repo_root=/nonexistent/ds"], ["data.repo_root=/nonexistent/ds: no such folder"]),
     (["policy=pi6"], ["unknown policy preset 'pi6'"]),
+    (["train.cuda_graphs=true", "parallel.fsdp=none"],
+     ["train.cuda_graphs=true: model.policy=toy: its training step is not declared capture-safe"]),
+    (["train.cuda_graphs=true"], ["train.cuda_graphs=true with parallel.fsdp=full: FSDP2 gathers"]),
 ])
 def test_bad_config_exits_2_naming_the_key_and_writes_nothing(tmp_path: Path, argv: list[str],
                                                               expected: list[str]) -> None:

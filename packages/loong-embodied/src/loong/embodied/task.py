@@ -350,8 +350,9 @@ class VLATask(FSDPTask):
         found = [m for name, m in block.named_modules() if name.rsplit(".", 1)[-1] in MLP_NAMES]
         return max(found, key=lambda m: sum(p.numel() for p in m.parameters()), default=None)
 
-    def cuda_graph_unsupported(self, model: nn.Module) -> str | None:
-        policy = _policy(model)
+    @classmethod
+    def cuda_graph_unsupported(cls, cfg: Any) -> str | None:
+        policy = cfg.model.spec().policy_class
         if not policy.cuda_graph_safe:
             return f"model.policy={policy.name}: its training step is not declared capture-safe"
         return None

@@ -32,7 +32,7 @@ from loong.core.engines.fsdp.wrap import (
     shard,
 )
 from loong.core.errors import LoongError
-from loong.core.registry import ENGINES
+from loong.core.registry import ENGINES, TASKS
 
 #: Keys that only the megatron engine reads: refused here when set, so a key never silently means nothing.
 _MEGATRON_ONLY = {"train.distributed_optimizer": False, "train.optimizer_cpu_offload": False,
@@ -87,9 +87,15 @@ class FSDPEngine(Engine):
             if recompute_mode(cfg) != "none":
                 raise LoongError(f"train.cuda_graphs=true with model.recompute={recompute_mode(cfg)}: recomputation "
                                  "is not captured; set model.recompute=none or drop train.cuda_graphs")
+            why = TASKS.get(cfg.task).cuda_graph_unsupported(cfg)
+            if why is not None:
+                raise LoongError(f"train.cuda_graphs=true: {why}; drop train.cuda_graphs")
 
     @classmethod
     def init_layout(cls, accelerator: Accelerator, cfg: RunConfig) -> FSDPLayout:
+        if cfg.train.cuda_graphs and accelerator.graph_backend() is None:  # before anything is written
+            raise LoongError(f"train.cuda_graphs=true: the {accelerator.name} accelerator has no graph capture "
+                             "(CUDA graphs need an NVIDIA GPU); drop train.cuda_graphs")
         return init_mesh(accelerator, cfg.parallel)
 
     def __init__(self, task: FSDPTask, cfg: RunConfig, accelerator: Accelerator, layout: FSDPLayout,
@@ -116,7 +122,7 @@ class FSDPEngine(Engine):
             apply_compile(blocks, task.compile_options())
         self.ddp = cfg.parallel.fsdp == "none"
         adaptations = accelerator.fsdp_adaptations()
-        backend = self._graph_backend(task, model) if t.cuda_graphs else None
+        backend = accelerator.graph_backend() if t.cuda_graphs else None  # init_layout checked there is one
         self.graphs: StepGraphs | None = None
         if backend is not None:  # replicated weights without DDP: the gradients are all-reduced after the step
             self._broadcast_from_first(model)
@@ -149,17 +155,6 @@ class FSDPEngine(Engine):
             from loong.core.debug import GradientProbe
 
             self.probe = GradientProbe([self.bare])
-
-    def _graph_backend(self, task: FSDPTask, model: nn.Module) -> Any:
-        """``train.cuda_graphs``: the accelerator's capture, once the task says its step can be captured."""
-        backend = self.accelerator.graph_backend()
-        if backend is None:
-            raise LoongError(f"train.cuda_graphs=true: the {self.accelerator.name} accelerator has no graph capture "
-                             "(CUDA graphs need an NVIDIA GPU); drop train.cuda_graphs")
-        why = task.cuda_graph_unsupported(model)
-        if why is not None:
-            raise LoongError(f"train.cuda_graphs=true: {why}; drop train.cuda_graphs")
-        return backend
 
     def _broadcast_from_first(self, model: nn.Module) -> None:
         """Every data-parallel rank starts from the first one's weights and buffers (what DDP does when built)."""

@@ -30,11 +30,13 @@ class FSDPTask(Task):
     #: needs some input in fp32 (a diffusion timestep: bf16 holds 999.3 as 1000) sets False and casts the others.
     cast_root_inputs: bool = True
 
-    def cuda_graph_unsupported(self, model: nn.Module) -> str | None:
-        """Why :meth:`loss` on a :meth:`prepare`-d batch cannot be captured in a CUDA graph (``train.cuda_graphs``),
-        or None when it can: no device-to-host sync, no host tensor copied in, no host-side draw, the same kernels
-        for every batch of the same shapes. Default: not declared capture-safe."""
-        return f"the task {type(self).__name__} does not declare its training step capture-safe"
+    @classmethod
+    def cuda_graph_unsupported(cls, cfg: Any) -> str | None:
+        """Why :meth:`loss` on a :meth:`prepare`-d batch of the run ``cfg`` cannot be captured in a CUDA graph
+        (``train.cuda_graphs``), or None when it can: no device-to-host sync, no host tensor copied in, no host-side
+        draw, the same kernels for every batch of the same shapes. Asked before anything is built or written.
+        Default: not declared capture-safe."""
+        return f"the task {cls.__name__} does not declare its training step capture-safe"
 
     def prepare(self, model: nn.Module, batch: Any) -> Any:
         """The host-side part of a micro-batch's step, run before its device part (:meth:`loss`) every time: e.g.
