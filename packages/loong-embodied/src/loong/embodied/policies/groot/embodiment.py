@@ -7,6 +7,9 @@ names. Parameter names (``W``, ``b``, ``layer1``, ``W1``...) are those of the pu
 
 from __future__ import annotations
 
+import math
+import struct
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -39,14 +42,24 @@ class CategorySpecificMLP(nn.Module):
         return self.layer2(F.relu(self.layer1(x, category_ids)), category_ids)
 
 
+def _fp32(x: float) -> float:
+    """``x`` rounded to the nearest fp32 value (a division of two fp32 values done in double and rounded once to
+    fp32 is the fp32 division: double has more than twice fp32's precision)."""
+    return struct.unpack("f", struct.pack("f", x))[0]
+
+
+#: ``torch.log(torch.tensor(10000.0))``: fp32 ln(10000) as GR00T computes it
+_LN_10000 = _fp32(math.log(10000.0))
+
+
 def sinusoidal_time_encoding(timesteps: torch.Tensor, dim: int) -> torch.Tensor:
     """``[..., dim]`` ``[sin | cos]`` encoding of (discretised) flow times ``[...]`` (GR00T's action-encoder
     time features: frequencies ``exp(-i * ln(10000) / (dim / 2))``, computed in fp32)."""
     timesteps = timesteps.float()
     half = dim // 2
-    # the scalar ln(10000) is built on the host, as GR00T does, so the fp32 rounding is the same everywhere
-    exponent = -torch.arange(half, dtype=torch.float32, device=timesteps.device) * (
-        torch.log(torch.tensor(10000.0)) / half)
+    # GR00T's fp32 scalar log(10000) / half (a host tensor there), as a Python float of the same fp32 value: a tensor
+    # of host data would be a host-to-device copy in the step
+    exponent = -torch.arange(half, dtype=torch.float32, device=timesteps.device) * _fp32(_LN_10000 / half)
     freqs = timesteps.unsqueeze(-1) * exponent.exp()
     return torch.cat([torch.sin(freqs), torch.cos(freqs)], dim=-1)
 

@@ -11,6 +11,14 @@ What lerobot 0.6.1's ``GR00TN17`` computes, written as one module:
 - The head (:class:`~loong.embodied.policies.groot.GrootActionHead`) cross-attends to those features, text and
   image tokens alternately.
 
+The training step is capture-safe (``cuda_graph_safe``): the index tensors Qwen3-VL derives from ``input_ids`` and
+``image_grid_thw`` with host reads (M-RoPE ids, the vision tower's rotary ids, pos-embed taps and image boundaries,
+the image tokens' positions) come precomputed from the processor (:mod:`.precompute`) and go into transformers'
+vision tower through the ``kwargs`` it takes them by; image features and deepstack are placed by index
+(``index_copy`` / ``index_add``), not by boolean masks; the Beta flow times are drawn on the host by
+:meth:`GrootN17Policy.host_draws`. Inputs without the precomputed keys (direct callers) get them computed here by
+the same functions, with device reads.
+
 Parameter names: ``backbone.visual.*``, ``backbone.language_model.*`` (transformers' own), ``action_head.*``
 (the published GR00T names); :mod:`.lerobot` maps them to lerobot's ``GrootPolicy``.
 """
@@ -23,8 +31,9 @@ import torch
 from torch import nn
 
 from loong.core.errors import LoongError
-from loong.embodied.policies.base import VLAPolicy
+from loong.embodied.policies.base import FLOW_TIME_KEY, VLAPolicy
 from loong.embodied.policies.groot import GrootActionHead
+from loong.embodied.policies.groot_n1_7 import precompute as pre
 from loong.embodied.policies.groot_n1_7.config import GrootN17Config
 from loong.embodied.policies.groot_n1_7.vision_attention import use_image_batched_attention
 
@@ -64,14 +73,16 @@ class GrootN17Policy(VLAPolicy):
     """GR00T N1.7 (Cosmos-Reason2 / Qwen3-VL backbone, 4-layer VL self-attention, 32-layer alternate-VL DiT)."""
 
     name = "groot_n1_7"
+    cuda_graph_safe = True
     config: GrootN17Config
 
     def __init__(self, config: GrootN17Config) -> None:
         super().__init__(config)
         self.backbone = build_backbone(config)
         self.action_head = GrootActionHead(config.action_head_config())
-        self.image_token_id = int(self.backbone.config.image_token_id)
-        self.video_token_id = int(self.backbone.config.video_token_id)
+        self.geometry = pre.BackboneGeometry.of(self.backbone.config)
+        self.image_token_id = self.geometry.image_token_id
+        self.video_token_id = self.geometry.video_token_id
         self.set_trainable()
 
     # --- the pretrained backbone (model.config.base_model_path) ---
@@ -141,35 +152,54 @@ class GrootN17Policy(VLAPolicy):
         return list(self.backbone.language_model.layers) + self.action_head.blocks()
 
     # --- forward ---
+    def backbone_indices(self, inputs: Mapping[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], int]:
+        """The :data:`~.precompute.PRECOMPUTED_KEYS` tensors and the longest image's patch count (a host int).
+
+        From ``inputs`` when the processor put them there (no device read: the processor checked that the images
+        share one size, so the length is the shapes'); else computed by :func:`~.precompute.precompute` from
+        ``input_ids`` / ``image_grid_thw`` (read back from the device) and moved to the inputs' device.
+        """
+        missing = [k for k in BACKBONE_KEYS[:4] if k not in inputs]
+        if missing:
+            raise LoongError(f"groot_n1_7 inputs: missing {', '.join(missing)} (made by GrootN17Processor)")
+        grid, pixels = inputs["image_grid_thw"], inputs["pixel_values"]
+        if all(k in inputs for k in pre.PRECOMPUTED_KEYS):
+            return {k: inputs[k] for k in pre.PRECOMPUTED_KEYS}, pre.max_image_patches(pixels, grid)
+        device = inputs["input_ids"].device
+        found = pre.precompute(inputs["input_ids"], inputs["attention_mask"], inputs.get("mm_token_type_ids"), grid,
+                               self.geometry)
+        longest = pre.max_image_patches(pixels, grid, found[pre.CU_SEQLENS_KEY])
+        return {k: v.to(device) for k, v in found.items()}, longest
+
     def vl_features(self, inputs: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(features [b, s, hidden], valid-token mask [b, s], image-token mask [b, s])`` of the backbone.
 
         ``Qwen3VLModel.forward`` written out over its own pieces, for one reason: GR00T reads the last kept
         decoder layer's output as that layer returns it, before the final norm *and* before any deepstack
-        injection after it (lerobot captures it with a forward hook on that layer).
+        injection after it (lerobot captures it with a forward hook on that layer). The vision tower is
+        transformers' ``Qwen3VLVisionModel.forward`` given the precomputed index tensors; the image features and
+        deepstack go to the image tokens by their flat positions (one copy / one addition per element, as
+        ``masked_scatter`` and the boolean-mask update transformers uses).
         """
-
-        missing = [k for k in BACKBONE_KEYS[:4] if k not in inputs]
-        if missing:
-            raise LoongError(f"groot_n1_7 inputs: missing {', '.join(missing)} (made by GrootN17Processor)")
+        idx, longest = self.backbone_indices(inputs)
         input_ids, attention_mask, grid = inputs["input_ids"], inputs["attention_mask"], inputs["image_grid_thw"]
-        mm_types = inputs.get("mm_token_type_ids")
-        if mm_types is None:
-            mm_types = ((input_ids == self.image_token_id).int() + 2 * (input_ids == self.video_token_id).int())
         lm, visual = self.backbone.language_model, self.backbone.visual
         embeds = lm.embed_tokens(input_ids)
-        vision = visual(inputs["pixel_values"].type(visual.dtype), grid_thw=grid, return_dict=True)
+        vision = visual(inputs["pixel_values"].type(visual.dtype), grid_thw=grid, return_dict=True,
+                        cu_seqlens=idx[pre.CU_SEQLENS_KEY], max_seqlen=longest,
+                        position_ids=idx[pre.VISION_POSITION_KEY], interp_indices=idx[pre.INTERP_INDEX_KEY],
+                        interp_weights=idx[pre.INTERP_WEIGHT_KEY])
+        image_index = idx[pre.IMAGE_INDEX_KEY]
+        if image_index.shape[0] != vision.pooler_output.shape[0]:  # shapes only: no device read
+            raise LoongError(f"groot_n1_7 inputs: {image_index.shape[0]} image tokens in input_ids but "
+                             f"{vision.pooler_output.shape[0]} image features from pixel_values / image_grid_thw")
+        b, s, width = embeds.shape
+        embeds = embeds.reshape(b * s, width).index_copy(0, image_index, vision.pooler_output.to(embeds.dtype))
+        embeds = embeds.view(b, s, width)
         image_mask = input_ids == self.image_token_id
-        n_tokens, n_features = int(image_mask.sum()), vision.pooler_output.shape[0]
-        if n_tokens != n_features:
-            raise LoongError(f"groot_n1_7 inputs: {n_tokens} image tokens in input_ids but {n_features} image "
-                             "features from pixel_values / image_grid_thw")
-        embeds = embeds.masked_scatter(image_mask.unsqueeze(-1), vision.pooler_output.to(embeds.dtype))
         deepstack = vision.deepstack_features or []
         # 3-row M-RoPE ids; the causal mask is built from the temporal row as text positions (lerobot's 4-row ids)
-        positions = self.backbone.compute_3d_position_ids(
-            input_ids=input_ids, inputs_embeds=None, image_grid_thw=grid, attention_mask=attention_mask,
-            mm_token_type_ids=mm_types)
+        positions = idx[pre.MROPE_KEY]
         text_positions = positions[0]
         mask = causal_padding_mask(attention_mask, embeds.dtype)
         rope = lm.rotary_emb(embeds, positions)
@@ -178,25 +208,44 @@ class GrootN17Policy(VLAPolicy):
         for i, layer in enumerate(lm.layers):
             hidden = layer(hidden, attention_mask=mask, position_ids=text_positions, position_embeddings=rope)
             if i < len(deepstack) and i < last:
-                hidden = hidden.clone()
-                hidden[image_mask] = hidden[image_mask] + deepstack[i].to(hidden.dtype)
+                flat = hidden.reshape(b * s, hidden.shape[-1])
+                hidden = flat.index_add(0, image_index, deepstack[i].to(hidden.dtype)).view(hidden.shape)
         return hidden, attention_mask == 1, image_mask
 
     def _embodiment(self, inputs: Mapping[str, torch.Tensor], batch: int, device: torch.device) -> torch.Tensor:
         emb = inputs.get("embodiment_id")
         if emb is None:
             return torch.full((batch,), self.config.embodiment_id, dtype=torch.long, device=device)
-        if int(emb.max()) >= self.config.num_embodiments or int(emb.min()) < 0:
-            raise LoongError(f"groot_n1_7 inputs: embodiment_id must be in [0, {self.config.num_embodiments}), "
-                             f"got {emb.tolist()}")
+        if not all(k in inputs for k in pre.PRECOMPUTED_KEYS):  # the processor's inputs: it checked the range
+            pre.check_embodiment_ids(emb, self.config.num_embodiments, "groot_n1_7 inputs")
         return emb.long()
+
+    def host_draws(self, inputs: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """``inputs`` with the flow times (``FLOW_TIME_KEY``, ``[b]`` fp32): the Beta draws of the host generator
+        (:meth:`~loong.embodied.policies.groot.GrootActionHead.sample_time`), which :meth:`loss` then takes; the
+        state dropout and the noise it draws on the device.
+
+        On a GPU this is GR00T's stream of draws (lerobot draws the Beta times on the host and the rest on the
+        device, from two generators); on a CPU, where one generator makes all three, the times now come first."""
+        if "action" not in inputs:
+            raise LoongError("groot_n1_7 host_draws: missing 'action' (made by GrootN17Processor with train=True)")
+        out = dict(inputs)
+        out[FLOW_TIME_KEY] = self.action_head.sample_time(inputs["action"].shape[0])
+        return out
 
     def loss(self, inputs: Mapping[str, torch.Tensor], *, noise: torch.Tensor | None = None,
              time: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """GR00T's masked flow-matching loss. ``time`` ``[b]`` is GR00T's t (0 = noise, 1 = clean)."""
+        """GR00T's masked flow-matching loss. ``time`` ``[b]`` is GR00T's t (0 = noise, 1 = clean); None: the times
+        :meth:`host_draws` put in ``inputs[FLOW_TIME_KEY]``, else drawn by the head after its dropout and noise
+        draws (GR00T's order)."""
         for key in ("state", "action", "action_mask"):
             if key not in inputs:
                 raise LoongError(f"groot_n1_7 inputs: missing {key!r} (made by GrootN17Processor with train=True)")
+        if time is None:
+            time = inputs.get(FLOW_TIME_KEY)
+            if time is not None and tuple(time.shape) != tuple(inputs["action"].shape[:1]):
+                raise LoongError(f"groot_n1_7 loss: flow times ('{FLOW_TIME_KEY}') of shape {list(time.shape)}; "
+                                 f"expected [{inputs['action'].shape[0]}] (one per sample)")
         feats, vl_mask, image_mask = self.vl_features(inputs)
         dtype = feats.dtype
         emb = self._embodiment(inputs, feats.shape[0], feats.device)

@@ -10,7 +10,10 @@ Per raw batch (``collate_vla``)::
         [b, 1, max_state_dim]
     action -> the same min-max -> zero-padded to [b, chunk_size, max_action_dim]; ``action_mask`` 1 on the real
         dims of the non-padded steps (``action_is_pad``), padded steps zeroed
-    embodiment_id -> the batch's, or the config's embodiment tag's id
+    embodiment_id -> the batch's, or the config's embodiment tag's id (refused outside [0, num_embodiments))
+    input_ids / image_grid_thw -> the backbone's index tensors (:mod:`.precompute`: M-RoPE ids, the vision tower's
+        rotary ids, pos-embed taps and image boundaries, the image tokens' flat positions), so that the policy's
+        device step reads nothing back from the device
 
 ``postprocess`` inverts the action normalisation on the real dims (clipped to [-1, 1] first, as lerobot's
 ``GrootActionUnpackUnnormalizeStep``).
@@ -37,6 +40,7 @@ from loong.embodied.data.normalize import (
     write_sources,
 )
 from loong.embodied.policies.base import PolicyConfig, PolicyProcessor
+from loong.embodied.policies.groot_n1_7 import precompute as pre
 from loong.embodied.policies.groot_n1_7.config import GrootN17Config
 
 if TYPE_CHECKING:
@@ -159,6 +163,7 @@ class GrootN17Processor(PolicyProcessor):
                                      "processor of nvidia/Cosmos-Reason2-2B (the hub is not used)")
                 vlm_processor = build_tiny_processor()
         self.vlm = vlm_processor
+        self.geometry = pre.BackboneGeometry.of_backbone_dict(config.backbone_dict())
 
     @classmethod
     def from_dataset(cls, dataset: VLADataset, config: PolicyConfig) -> GrootN17Processor:
@@ -243,12 +248,17 @@ class GrootN17Processor(PolicyProcessor):
             images.extend(sample_frames)
         encoded = self.vlm(text=texts, images=images, return_tensors="pt", padding=True)
         out: dict[str, torch.Tensor] = {k: v for k, v in encoded.items() if isinstance(v, torch.Tensor)}
+        where = "groot_n1_7 processor"
+        pre.check_one_image_size(out["image_grid_thw"], where)
+        out.update(pre.precompute(out["input_ids"], out.get("attention_mask"), out.get("mm_token_type_ids"),
+                                  out["image_grid_thw"], self.geometry, where=where))
 
         index = source_index(batch, b, len(self.source_stats), "groot_n1_7 processor")
         lo, hi = self.bounds(self.state_key, index)
         state = min_max_normalize(state, lo, hi, clip=c.clip_outliers)
         out["state"] = torch.nn.functional.pad(state, (0, c.max_state_dim - self.state_dim)).unsqueeze(1)
         out["embodiment_id"] = self.embodiment_ids(batch, index, b)
+        pre.check_embodiment_ids(out["embodiment_id"], c.num_embodiments, where)
         if train or self.action_key in batch:
             out.update(self.actions(batch, b, index))
         return out

@@ -12,6 +12,10 @@ pass ``cu_seqlens`` (``transformers.utils.generic.is_flash_attention_requested``
 number of tokens (one camera resolution: the usual case) it is a single batched SDPA over ``[images, heads, tokens,
 dim]``; otherwise it falls back to one call per image, as transformers does. Both compute softmax attention within
 each image and nothing across images, so the result is transformers' own up to floating-point summation order.
+
+``max_length_q`` is the host integer transformers passes on (``max_seqlen``): GR00T N1.7's policy gives the tower
+its images' length, known from the shapes (:func:`.precompute.max_image_patches`), so the batched path reads
+nothing back from the device; without it, transformers reads it from ``cu_seqlens`` (a device read).
 """
 
 from __future__ import annotations
