@@ -5,6 +5,8 @@
 - foundation TP=4 with the encoder at TP=2 (the heterogeneous layout: the tower sharded 2-way, each shard
   replicated on 2 ranks of the foundation's TP group) and at TP=1, on the tiny foundation widened to 8 heads in 4
   query groups (its 2 KV heads do not split 4-way): the loss and every gradient within 1e-5 of DP=4's of that model;
+  and both again with sequence parallelism (``parallel.sequence_parallel=true``: each TP rank embeds a quarter of
+  every packed row and places only the visual rows that fall in it, whose gradients are summed over the 4 ranks);
 - in each of those one-step cases the gradient norm (what ``train.clip_grad`` clips by) and the tower's part of it
   are DP=4's, so duplicate shards (marked ``shared``) and replicated weights count once, and every tower replica
   holds the first one's gradients (the gathered gradients read only the first);
@@ -33,7 +35,8 @@ def layouts(tmp_path_factory: pytest.TempPathFactory) -> dict:
     return launch(WORKER, tmp_path_factory.mktemp("vlm_layouts_4rank"), 4)
 
 
-STEP_LAYOUTS = ["pp2_tp2_decoupled_encoder_tp2", "cp2_tp2_encoder_tp2", "tp4_encoder_tp2", "tp4_encoder_tp1"]
+STEP_LAYOUTS = ["pp2_tp2_decoupled_encoder_tp2", "cp2_tp2_encoder_tp2", "tp4_encoder_tp2", "tp4_encoder_tp1",
+                "tp4sp_encoder_tp2", "tp4sp_encoder_tp1"]
 
 
 @pytest.mark.parametrize("layout", STEP_LAYOUTS)

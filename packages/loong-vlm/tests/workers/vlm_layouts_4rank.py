@@ -7,8 +7,9 @@ DP=4's initial weights (its first step is the reference) it runs:
   at encoder TP=2 (each stage's replica over its own group), CP=2 x TP=2 with encoder TP=2 (the encoder group inside
   TP, CP outside), and foundation TP=4 with the encoder at TP=2 (two replicas of the sharded tower in the
   foundation's TP group) and at TP=1 (four whole replicas), on the tiny foundation widened to 8 heads in 4 query
-  groups (``KV4``: TP=4 must divide the KV heads; its own DP=4 reference); with each step's gradient norm and how
-  far the tower's replicas in a foundation-TP group are apart in their gradients;
+  groups (``KV4``: TP=4 must divide the KV heads; its own DP=4 reference), and those two with sequence parallelism
+  (the step-0 rows are packed, 2-3 conversations each, their visual tokens in 2-3 of the 4 slices); with each
+  step's gradient norm and how far the tower's replicas in a foundation-TP group are apart in their gradients;
 - three training steps of DP=4 and of the decoupled PP=2 x DP=2 tower with ``train.distributed_optimizer=true``:
   the replicas' gradients must be summed over the pipeline group *before* the data-parallel reduce-scatter (after
   it each rank holds only its slice of a buffer in which the tower sits at a different place on each stage).
@@ -40,6 +41,9 @@ STEP_LAYOUTS = {  # name: (overrides, the name of its DP=4 reference)
     "cp2_tp2_encoder_tp2": (["parallel.cp=2", "parallel.tp=2", "encoder.parallel.tp=2"], "dp4"),
     "tp4_encoder_tp2": ([*KV4, "parallel.tp=4", "encoder.parallel.tp=2"], "dp4_kv4"),
     "tp4_encoder_tp1": ([*KV4, "parallel.tp=4"], "dp4_kv4"),
+    "tp4sp_encoder_tp2": ([*KV4, "parallel.tp=4", "parallel.sequence_parallel=true", "encoder.parallel.tp=2"],
+                          "dp4_kv4"),
+    "tp4sp_encoder_tp1": ([*KV4, "parallel.tp=4", "parallel.sequence_parallel=true"], "dp4_kv4"),
 }
 FIT_LAYOUTS = {
     "dp4": ["parallel.tp=1"],

@@ -73,6 +73,12 @@ def check_vlm_config(cfg: VLMRunConfig) -> None:
         if cfg.data.balance.enabled:
             raise LoongError(f"data.balance.enabled=true with parallel.cp={p.cp} is not supported (balanced "
                              "micro-batches vary in length, CP splits fixed-length rows); use one of them")
+    if p.tp > 1 and (p.sequence_parallel or fnd.is_moe or fnd.is_mla) and cfg.train.seq_length % p.tp:
+        # the foundation runs sequence-parallel then (MoE and MLA at tp > 1 always: loong.llm.models.build); megatron
+        # would stop in the first forward on a bare assertion
+        raise LoongError(f"train.seq_length={cfg.train.seq_length} must divide by parallel.tp={p.tp} under sequence "
+                         "parallelism (parallel.sequence_parallel=true, or a MoE / MLA foundation at tp > 1): each "
+                         "tensor-parallel rank holds an equal slice of every row")
     from loong.core.engines.megatron.layout import check_component_tp
     from loong.vlm.models.vision.tensor_parallel import check_encoder_tp
 
