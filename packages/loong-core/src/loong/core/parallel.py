@@ -104,7 +104,15 @@ def init_process_group(accelerator: Accelerator) -> tuple[int, int, bool]:
     return world_size, local_rank, True
 
 
-def destroy_process_group() -> None:
-    """Leave the default group (a no-op when none is up)."""
+def destroy_process_group(barrier: bool = False) -> None:
+    """Leave the default group (a no-op when none is up).
+
+    ``barrier`` (a run that ended cleanly on every rank) first waits for all ranks: a rank that tears its gloo
+    groups down while a peer still has the last step's collectives in flight can abort that peer at exit
+    ("terminate called without an active exception"). Never after a failure: the failed rank's peers would
+    wait in the barrier for it.
+    """
     if dist.is_initialized():
+        if barrier and dist.get_world_size() > 1:
+            dist.barrier()
         dist.destroy_process_group()

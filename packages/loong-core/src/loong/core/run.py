@@ -109,6 +109,7 @@ def run(cfg: Any, echo: Any = print) -> TrainResult:
     accelerator = select_accelerator()
     with engine_cls.activate(accelerator):
         layout = engine_cls.init_layout(accelerator, cfg)
+        clean = False
         try:
             log = echo if layout.is_logging_rank else (lambda _m: None)
             num_microbatches(cfg, layout.dp)  # batch sizes that do not divide over dp fail before any data or model
@@ -119,6 +120,7 @@ def run(cfg: Any, echo: Any = print) -> TrainResult:
                 log(f"{run_dir} is finished: its checkpoint {checkpoint.name} is at step {done} of train.steps="
                     f"{cfg.train.steps}; nothing to train (raise train.steps to continue it, or train.resume=none "
                     "for a new run)")
+                clean = True
                 return TrainResult(run_dir, done, None, None, checkpoint, already_finished=True,
                                    is_logging_rank=layout.is_logging_rank)
             if checkpoint is None and layout.is_logging_rank and (note := new_run_note(cfg, plain, run_dir)):
@@ -141,6 +143,7 @@ def run(cfg: Any, echo: Any = print) -> TrainResult:
                      f"{layout.world_size}: {layout.describe()})")
             result = trainer.fit(start)
             result.rerun_continues = not fresh_start(cfg)
+            clean = True
             return result
         finally:
-            engine_cls.shutdown(layout)
+            engine_cls.shutdown(layout, clean=clean)

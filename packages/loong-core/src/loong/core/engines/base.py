@@ -95,12 +95,13 @@ class Engine(ABC):
         accelerator.manual_seed(seed)
 
     @classmethod
-    def shutdown(cls, layout: ParallelLayout | None) -> None:
-        """Tear down the groups :meth:`init_layout` built, and the default group if the walk created it."""
+    def shutdown(cls, layout: ParallelLayout | None, clean: bool = False) -> None:
+        """Tear down the groups :meth:`init_layout` built, and the default group if the walk created it
+        (``clean``: the run ended without an error, so every rank can meet in a barrier first)."""
         from loong.core.parallel import destroy_process_group
 
         if layout is None or layout.owns_group:
-            destroy_process_group()
+            destroy_process_group(barrier=clean)
 
     # --- stepping ----------------------------------------------------------------------------
     @abstractmethod

@@ -99,8 +99,8 @@ class MegatronEngine(Engine):
         model_parallel_cuda_manual_seed(seed)  # the tensor-parallel RNG tracker's streams (dropout in TP regions)
 
     @classmethod
-    def shutdown(cls, layout: MegatronLayout | None) -> None:
-        shutdown_distributed(destroy_default=layout is None or layout.owns_group)
+    def shutdown(cls, layout: MegatronLayout | None, clean: bool = False) -> None:
+        shutdown_distributed(destroy_default=layout is None or layout.owns_group, barrier=clean)
 
     def __init__(self, task: MegatronTask, cfg: RunConfig, accelerator: Accelerator, layout: MegatronLayout,
                  fresh: bool = True) -> None:

@@ -156,8 +156,9 @@ def init_distributed(accelerator: Accelerator, cfg: ParallelConfig,
     return MegatronLayout(cfg, world_size, dist.get_rank(), local_rank, dp, created, pgs, groups)
 
 
-def shutdown_distributed(destroy_default: bool = True) -> None:
-    """Tear down megatron-core's groups, its MoE metrics tracker and (``destroy_default``) the default group."""
+def shutdown_distributed(destroy_default: bool = True, barrier: bool = False) -> None:
+    """Tear down megatron-core's groups, its MoE metrics tracker and (``destroy_default``) the default group
+    (``barrier``: after every rank arrives, see :func:`loong.core.parallel.destroy_process_group`)."""
     from megatron.core import parallel_state
     from megatron.core.transformer.moe.moe_logging import destroy_moe_metrics_tracker
 
@@ -167,7 +168,7 @@ def shutdown_distributed(destroy_default: bool = True) -> None:
     # next model built in this process (a test, a tool) may have another layer count
     destroy_moe_metrics_tracker()
     if destroy_default:
-        destroy_process_group()
+        destroy_process_group(barrier=barrier)
 
 
 @contextlib.contextmanager
