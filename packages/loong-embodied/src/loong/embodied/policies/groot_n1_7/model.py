@@ -136,6 +136,17 @@ class GrootN17Policy(VLAPolicy):
                 layer.requires_grad_(True)
         self.action_head.set_trainable(tune_projector=c.tune_projector,
                                        tune_diffusion_model=c.tune_diffusion_model, tune_vlln=c.tune_vlln)
+        for module in self.unused_modules():
+            module.requires_grad_(False)
+
+    def unused_modules(self) -> list[nn.Module]:
+        """Backbone parts the truncated decoder never reaches, whatever the flags: the text model's final norm
+        (GR00T reads the last kept layer's output before it) and the deepstack mergers whose target layer is the
+        last kept one or beyond (:meth:`vl_features` adds deepstack only before the last layer). Trainable, they
+        would get no gradient: DDP stops at the first step on parameters without gradients, and the optimiser
+        would hold state for them."""
+        mergers = list(self.backbone.visual.deepstack_merger_list)
+        return [self.backbone.language_model.norm, *mergers[max(len(self.backbone.language_model.layers) - 1, 0):]]
 
     def train(self, mode: bool = True) -> GrootN17Policy:
         super().train(mode)
