@@ -123,6 +123,11 @@ ROWS: dict[str, Row] = {
     "pi05/loong": Row("loong-embodied train, bf16", _loong("pi05", "pi05")),
     "pi05/loong_graphs": Row("loong-embodied train, bf16, CUDA graphs (no FSDP)", _loong("pi05", "pi05", *GRAPHS),
                               smoke=_NO_GRAPHS_ON_CPU),
+    # at micro-batch 32 the graph's pool did not fit beside Pi0.5's fp32 weights, gradients and Adam state
+    # (results/vla_throughput_h200_pi05_graphs_oom_20261204.json): two micro-batches of 16 replay one graph twice
+    "pi05/loong_graphs_mb16": Row("loong-embodied train, bf16, CUDA graphs (no FSDP), micro-batch 16",
+                                  _loong("pi05", "pi05", *GRAPHS, "train.micro_batch_size=16"),
+                                  smoke=_NO_GRAPHS_ON_CPU),
     "groot_n1_7/lerobot": Row("lerobot-train (its defaults)", _lerobot("groot"), groot_base=True),
     "groot_n1_7/loong": Row("loong-embodied train, bf16", _loong("groot_n1_7", "groot_n1_7")),
     "groot_n1_7/loong_ddp": Row("loong-embodied train, bf16, no FSDP", _loong("groot_n1_7", "groot_n1_7", *DDP)),
