@@ -5,7 +5,9 @@ checkpoint layout of ``nvidia/GR00T-N1.6-3B`` as read from Isaac-GR00T's source 
 ``gr00t/model/modules/eagle_backbone.py`` and the Eagle-Block2A-2B-v2 model files): :mod:`.config` (published
 defaults, presets ``tiny`` / ``groot_n1_6``), :mod:`.eagle` (the backbone from transformers' ``Siglip2VisionModel``
 and ``Qwen3Model``), :mod:`.model` (the policy; the action head is the shared
-:mod:`loong.embodied.policies.groot`), :mod:`.processor`, :mod:`.checkpoint` (Loong names <-> published keys).
+:mod:`loong.embodied.policies.groot`), :mod:`.processor`, :mod:`.precompute` (the backbone's data-dependent
+tensors, made by the processor so that the training step is capture-safe), :mod:`.checkpoint` (Loong names <->
+published keys).
 
 What is checked against an oracle (tests/test_groot_n1_6.py, CPU fp32, tiny random configs):
 
@@ -20,6 +22,9 @@ What is checked against an oracle (tests/test_groot_n1_6.py, CPU fp32, tiny rand
   the same noise and time draws) and ``predict_action_chunk`` equal lerobot's ``GR00TN17ActionHead`` configured as
   N1.6 (``vl_self_attention`` 0 layers, state history 1, no state dropout) fed the policy's Eagle features -- at
   those settings Isaac-GR00T's ``Gr00tN1d6ActionHead.forward`` / ``get_action`` compute the same thing;
+- the capture-safe step (tests/test_groot16_capture_safe.py): no device sync nor host data in forward + backward,
+  and the loss and every gradient equal the former forward's (transformers' own SigLIP2 resize, ``masked_scatter``,
+  ``Qwen3Model``'s own mask) bit for bit;
 - the checkpoint mapping round-trips bit-exactly, and a synthetic folder written under the published key names
   (listed independently in the test from the published module tree, with the unused ``lm_head`` and pooling
   head, sharded, bf16) loads.

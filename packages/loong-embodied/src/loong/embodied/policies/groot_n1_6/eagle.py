@@ -12,6 +12,11 @@ with the pieces taken from ``transformers`` as they are::
       -> Qwen3Model with select_layer layers  last_hidden_state (its final RMSNorm applied, as GR00T's
                                              hidden_states[-1] is once the upper layers are popped)
 
+The step is sync-free given the processor's :mod:`.precompute` tensors (``image_token_index``,
+``vision_pos_weights``): the SigLIP2 tower runs over its pieces with the position-table resize as a precomputed
+matrix, the image features go in by ``index_copy`` at the flat image-token positions, and ``Qwen3Model`` gets its
+causal padding mask ready-made. Without them (direct callers) they are computed here, with device reads.
+
 The published vision config has ``use_rope=false`` and ``use_windows_attn=false``: Eagle's SigLIP2 fork then
 attends over each image's patches in full with the learned (bilinearly resized) position embeddings, which is
 exactly transformers' ``Siglip2VisionModel`` on an unpadded image. The pooling head the published checkpoint
@@ -30,7 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import Qwen3Config, Qwen3Model, Siglip2VisionConfig, Siglip2VisionModel
 
-from loong.core.errors import LoongError
+from loong.embodied.policies.groot_n1_6 import precompute as pre
 from loong.embodied.policies.groot_n1_6.config import GrootN16Config
 
 
@@ -108,35 +113,53 @@ class EagleBackbone(nn.Module):
         """The SigLIP2 encoder layers then the Qwen3 decoder layers."""
         return [*self.vision_model.encoder.layers, *self.language_model.layers]
 
-    def image_features(self, pixel_values: torch.Tensor) -> torch.Tensor:
-        """``[n, 3, H, W]`` (normalised to [-1, 1]) -> ``[n, tokens_per_image, text_hidden_size]``."""
+    def image_features(self, pixel_values: torch.Tensor, pos_weights: torch.Tensor | None = None) -> torch.Tensor:
+        """``[n, 3, H, W]`` (normalised to [-1, 1]) -> ``[n, tokens_per_image, text_hidden_size]``.
+
+        ``Siglip2VisionModel.forward`` over its own pieces, for the one input it would otherwise derive with host
+        data and device reads: the position table's resize to the image grid, here ``pos_weights``
+        (:data:`~.precompute.POS_WEIGHT_KEY`, from the processor; None: computed here on the host and copied
+        over). The encoder gets no mask: every image fills its row, and transformers drops an all-ones mask for
+        SDPA too (full attention within the image, as Eagle's packing)."""
         c = self.config
         n, _, h, w = pixel_values.shape
-        grid = (h // c.patch_size, w // c.patch_size)
-        patches = patchify(pixel_values, c.patch_size).to(self.vision_model.embeddings.patch_embedding.weight.dtype)
-        spatial_shapes = torch.tensor([grid] * n, dtype=torch.long, device=pixel_values.device)
-        # every image fills its row: the mask is all ones (full attention within the image, as Eagle's packing)
-        mask = torch.ones(patches.shape[:2], dtype=torch.long, device=pixel_values.device)
-        hidden = self.vision_model(pixel_values=patches, pixel_attention_mask=mask,
-                                   spatial_shapes=spatial_shapes).last_hidden_state
+        grid = pre.patch_grid((h, w), c.patch_size)
+        vm = self.vision_model
+        emb = vm.embeddings
+        if pos_weights is None:
+            pos_weights = pre.position_resize_weights(grid, c.vision_num_patches).to(pixel_values.device)
+        patches = patchify(pixel_values, c.patch_size).to(emb.patch_embedding.weight.dtype)
+        pre.check_pos_weights(pos_weights, patches.shape[1], c.vision_num_patches)
+        hidden = emb.patch_embedding(patches) + pre.resized_positions(emb.position_embedding.weight, pos_weights, n)
+        hidden = vm.post_layernorm(vm.encoder(inputs_embeds=hidden, attention_mask=None).last_hidden_state)
         return self.mlp1(pixel_shuffle(hidden, grid, c.pixel_shuffle))
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                pixel_values: torch.Tensor) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, pixel_values: torch.Tensor, *,
+                image_token_index: torch.Tensor | None = None,
+                pos_weights: torch.Tensor | None = None) -> torch.Tensor:
         """``input_ids`` / ``attention_mask`` ``[b, s]``, ``pixel_values`` ``[b, cameras, 3, H, W]`` ->
-        ``[b, s, text_hidden_size]``. Each sample's image tokens take its cameras' features in order."""
+        ``[b, s, text_hidden_size]``. Each sample's image tokens take its cameras' features in order.
+
+        ``image_token_index`` / ``pos_weights``: the processor's :mod:`.precompute` tensors (then the step reads
+        nothing back from the device and copies nothing to it); None: computed here from ``input_ids`` (a device
+        read) and the image size, as direct callers need."""
         b, cams = pixel_values.shape[:2]
-        vit = self.image_features(pixel_values.flatten(0, 1))  # [b * cams, tokens, d]
+        vit = self.image_features(pixel_values.flatten(0, 1), pos_weights)  # [b * cams, tokens, d]
         embeds = self.language_model.embed_tokens(input_ids)
-        is_image = input_ids == self.config.image_token_id
         expected = cams * vit.shape[1]
-        counts = is_image.sum(dim=1)
-        if bool((counts != expected).any()):
-            raise LoongError(f"groot_n1_6: input_ids has {counts.tolist()} image tokens per sample; {cams} cameras of "
-                             f"{vit.shape[1]} tokens need {expected} each (prompt and image_size disagree)")
-        # row-major boolean indexing visits sample 0's tokens first, in order: the same order as vit's rows
-        embeds = embeds.masked_scatter(is_image[..., None], vit.reshape(b * expected, -1).to(embeds.dtype))
-        return self.language_model(inputs_embeds=embeds, attention_mask=attention_mask,
+        if image_token_index is None:
+            image_token_index = pre.image_token_index(input_ids, self.config.image_token_id, expected,
+                                                      where="groot_n1_6").to(input_ids.device)
+        pre.check_image_index(image_token_index, b * expected)
+        # the features go to the image tokens by their flat positions: one copy per element, as masked_scatter,
+        # whose backward would read the mask's count back
+        s, width = embeds.shape[1:]
+        embeds = embeds.reshape(b * s, width).index_copy(0, image_token_index,
+                                                         vit.reshape(b * expected, -1).to(embeds.dtype))
+        # Qwen3Model takes a prepared mask as {layer type: mask} and then skips its own, which reads the padding
+        # mask back to decide whether SDPA may run is_causal (the tower is built with SDPA: text_config)
+        mask = {"full_attention": pre.causal_padding_mask(attention_mask)}
+        return self.language_model(inputs_embeds=embeds.view(b, s, width), attention_mask=mask,
                                    use_cache=False).last_hidden_state
 
 

@@ -12,6 +12,12 @@ Model inputs (what :class:`~.processor.GrootN16Processor` makes)::
     state                       [b, max_state_dim]     min-max normalised, zero-padded
     action, action_mask         [b, chunk, max_action_dim]   (training only)
     embodiment_id               [b] long
+    image_token_index           [b * cameras * tokens] long  flat positions of the image tokens (:mod:`.precompute`)
+    vision_pos_weights          [patches, num_patches] fp32  the position table's resize to the image grid
+
+The training step is capture-safe (``cuda_graph_safe``): with the two precomputed tensors the backbone neither
+reads from the device nor copies host data to it (:mod:`.eagle`), and :meth:`GrootN16Policy.host_draws` draws the
+Beta flow times on the host before the step.
 
 N1.6 head details the shared head does not have: Isaac-GR00T's ``state_additive_noise_scale`` (default 0, a
 no-op at the published setting) and real-time chunking at inference (``get_action`` with a previous chunk); both
@@ -26,8 +32,9 @@ import torch
 from torch import nn
 
 from loong.core.errors import LoongError
-from loong.embodied.policies.base import VLAPolicy
+from loong.embodied.policies.base import FLOW_TIME_KEY, VLAPolicy
 from loong.embodied.policies.groot import ActionHeadConfig, DiTConfig, GrootActionHead, SelfAttentionConfig
+from loong.embodied.policies.groot_n1_6 import precompute as pre
 from loong.embodied.policies.groot_n1_6.config import GrootN16Config
 from loong.embodied.policies.groot_n1_6.eagle import EagleBackbone
 
@@ -60,6 +67,7 @@ class GrootN16Policy(VLAPolicy):
     """GR00T N1.6 (see the module docstring). Random init, fp32; frozen parts per the config's ``tune_*``."""
 
     name = "groot_n1_6"
+    cuda_graph_safe = True
 
     def __init__(self, config: GrootN16Config) -> None:
         super().__init__(config)
@@ -78,14 +86,35 @@ class GrootN16Policy(VLAPolicy):
                 raise LoongError(f"groot_n1_6: model inputs lack {key!r}; they have: {', '.join(inputs)}")
         input_ids = inputs["input_ids"]
         vl_mask = inputs["attention_mask"].to(torch.bool)
-        tokens = self.backbone(input_ids, inputs["attention_mask"], inputs["pixel_values"])
+        # the processor's precomputed tensors when it made them; else the backbone computes them (device reads)
+        tokens = self.backbone(input_ids, inputs["attention_mask"], inputs["pixel_values"],
+                               image_token_index=inputs.get(pre.IMAGE_INDEX_KEY),
+                               pos_weights=inputs.get(pre.POS_WEIGHT_KEY))
         return tokens, vl_mask, input_ids == self.config.image_token_id
+
+    def host_draws(self, inputs: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """``inputs`` with the flow times (``FLOW_TIME_KEY``, ``[b]`` fp32) drawn from the head's Beta distribution
+        on the host generator, which :meth:`loss` then takes; the noise (and a state dropout) it draws on the
+        device. On a CPU, where one generator makes all the draws, the times now come first."""
+        if "action" not in inputs:
+            raise LoongError("groot_n1_6 host_draws: model inputs lack 'action' (made by the processor with "
+                             "train=True)")
+        out = dict(inputs)
+        out[FLOW_TIME_KEY] = self.action_head.sample_time(inputs["action"].shape[0])
+        return out
 
     def loss(self, inputs: Mapping[str, torch.Tensor], *, noise: torch.Tensor | None = None,
              time: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """GR00T's masked flow-matching loss. ``time`` ``[b]``: GR00T's t (0 = noise, 1 = clean); None: the times
+        :meth:`host_draws` put in ``inputs[FLOW_TIME_KEY]``, else drawn by the head after its noise draw."""
         for key in ("action", "action_mask"):
             if key not in inputs:
                 raise LoongError(f"groot_n1_6.loss: model inputs lack {key!r} (made by the processor with train=True)")
+        if time is None:
+            time = inputs.get(FLOW_TIME_KEY)
+            if time is not None and tuple(time.shape) != tuple(inputs["action"].shape[:1]):
+                raise LoongError(f"groot_n1_6.loss: flow times ('{FLOW_TIME_KEY}') of shape {list(time.shape)}; "
+                                 f"expected [{inputs['action'].shape[0]}] (one per sample)")
         tokens, vl_mask, image_mask = self._vl(inputs)
         # the robot side arrives in fp32 (the task does not cast inputs); the head computes in the backbone's dtype
         dtype = tokens.dtype

@@ -14,6 +14,9 @@ What Isaac-GR00T's ``Gr00tN1d6Processor`` + Eagle3 processor do, for LeRobot bat
                 max_state_dim (lerobot's GR00T processor / Isaac-GR00T's StateActionProcessor arithmetic)
     action      the same, padded to max_action_dim; action_mask is 1 on real dims of non-padded steps
     embodiment  the batch's ``embodiment_id`` when given (multi-dataset mixes), else the config's embodiment's row
+    precomputed image_token_index (the image tokens' flat positions) and vision_pos_weights (the SigLIP2 position
+                table's resize to the image grid): :mod:`.precompute`, so that the training step reads nothing back
+                from the device; the image-token count per sample and the embodiment ids' range are checked here
 
 Left padding shifts every real token's RoPE position by the same amount, which leaves attention unchanged, so a
 fixed length gives the features Isaac-GR00T's pad-to-longest does, with static shapes.
@@ -46,6 +49,7 @@ from loong.embodied.data.normalize import (
     write_sources,
 )
 from loong.embodied.policies.base import PolicyConfig, PolicyProcessor
+from loong.embodied.policies.groot_n1_6 import precompute as pre
 from loong.embodied.policies.groot_n1_6.config import TINY_TOKENIZER, GrootN16Config
 from loong.embodied.policies.word_tokenizer import reach_vocabulary, word_level_backend
 
@@ -168,6 +172,9 @@ class GrootN16Processor(PolicyProcessor):
         if image_id != config.image_token_id:
             raise LoongError(f"groot_n1_6.image_token_id: {config.image_token_id}, but the tokenizer maps "
                              f"{IMAGE_TOKEN} to {image_id}")
+        # every camera is resized to image_size, so one resize matrix serves every image of every batch
+        self.pos_weights = pre.position_resize_weights(pre.patch_grid(config.image_size, config.patch_size),
+                                                       config.vision_num_patches)
 
     @classmethod
     def from_dataset(cls, config: PolicyConfig, dataset: VLADataset) -> GrootN16Processor:
@@ -224,8 +231,8 @@ class GrootN16Processor(PolicyProcessor):
         return torch.stack(out, dim=1)
 
     def __call__(self, batch: Mapping[str, Any], *, train: bool = True) -> dict[str, torch.Tensor]:
-        """Model inputs: ``input_ids``, ``attention_mask``, ``pixel_values``, ``state``, ``embodiment_id`` and, with
-        ``train``, ``action`` and ``action_mask``."""
+        """Model inputs: ``input_ids``, ``attention_mask``, ``pixel_values``, ``state``, ``embodiment_id``, the
+        :data:`~.precompute.PRECOMPUTED_KEYS` tensors and, with ``train``, ``action`` and ``action_mask``."""
         c = self.config
         if self.state_key not in batch:
             raise LoongError(f"groot_n1_6 processor: the batch has no '{self.state_key}'")
@@ -260,6 +267,11 @@ class GrootN16Processor(PolicyProcessor):
                                                 dtype=torch.long)
         else:
             out["embodiment_id"] = torch.full((b,), c.embodiment_id, dtype=torch.long)
+        where = "groot_n1_6 processor"
+        pre.check_embodiment_ids(out["embodiment_id"], c.num_embodiments, where)
+        # a clone per batch: the batches a DataLoader worker sends must not share storage
+        out.update(pre.precompute(out["input_ids"], c, len(self.camera_keys), where=where,
+                                  pos_weights=self.pos_weights.clone()))
         if train:
             if self.action_key not in batch:
                 raise LoongError(f"groot_n1_6 processor: the batch has no '{self.action_key}' (needed for training)")
