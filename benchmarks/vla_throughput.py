@@ -26,6 +26,8 @@ Rows (:data:`ROWS`; ``--rows`` picks):
 - ``groot_n1_7/loong_ddp``, ``groot_n1_7/loong_graphs``, ``pi05/loong_graphs``: the Loong row with
   ``parallel.fsdp=none`` (replicated weights: on one GPU FSDP2 only costs its per-block casts), and with
   ``train.cuda_graphs=true`` as well (each micro-batch's forward + backward replayed as one CUDA graph);
+- ``pi05/loong_fp8``: the Loong row with ``precision.fp8=tensorwise`` (its linear layers' GEMMs in FP8; not
+  measured yet);
 - ``groot_n1_6/loong``: ``loong-embodied train model.policy=groot_n1_6 model.preset=groot_n1_6`` (no baseline).
 
 Columns (medians over the steps after ``--warmup``): seconds per step (lerobot: its ``updt_s + data_s``, the
@@ -115,6 +117,7 @@ GRAPHS = (*DDP, "train.cuda_graphs=true")
 
 
 _NO_GRAPHS_ON_CPU = "CUDA graphs need a GPU"
+_NO_FP8_ON_CPU = "FP8 matrix products need a GPU of compute capability >= 8.9"
 _NO_TINY_PI05 = "lerobot's Pi0.5 has no size knobs (4.1B parameters, about 18 GB and 6 min to build on a CPU)"
 ROWS: dict[str, Row] = {
     "pi05/lerobot": Row("lerobot-train, bf16", _lerobot("pi05"), smoke=_NO_TINY_PI05),
@@ -128,6 +131,9 @@ ROWS: dict[str, Row] = {
     "pi05/loong_graphs_mb16": Row("loong-embodied train, bf16, CUDA graphs (no FSDP), micro-batch 16",
                                   _loong("pi05", "pi05", *GRAPHS, "train.micro_batch_size=16"),
                                   smoke=_NO_GRAPHS_ON_CPU),
+    # FP8 linears (docs/fp8.md, "On the fsdp engine"); the CPU accelerator has no fp8 capability: refused there
+    "pi05/loong_fp8": Row("loong-embodied train, bf16, FP8 linears (tensorwise)",
+                          _loong("pi05", "pi05", "precision.fp8=tensorwise"), smoke=_NO_FP8_ON_CPU),
     "groot_n1_7/lerobot": Row("lerobot-train (its defaults)", _lerobot("groot"), groot_base=True),
     "groot_n1_7/loong": Row("loong-embodied train, bf16", _loong("groot_n1_7", "groot_n1_7")),
     "groot_n1_7/loong_ddp": Row("loong-embodied train, bf16, no FSDP", _loong("groot_n1_7", "groot_n1_7", *DDP)),

@@ -80,7 +80,7 @@ def _toy(**sections):  # noqa: ANN003, ANN202
     ({"parallel": {"cp": 4, "cp_ulysses": 2, "cp_ring": 1}}, r"parallel.cp=4 is not parallel.cp_ulysses x"),
     ({"parallel": {"fsdp": "none", "fsdp_cpu_offload": True}}, r"fsdp_cpu_offload=true needs sharding"),
     ({"train": {"distributed_optimizer": True}}, r"train.distributed_optimizer: a megatron engine option"),
-    ({"precision": {"fp8": "tensorwise"}, "train": {"precision": "bf16"}}, r"precision.fp8=tensorwise: FP8"),
+    ({"precision": {"fp8": "tensorwise"}, "train": {"precision": "bf16"}}, r"precision.fp8=tensorwise needs hardware FP8"),
     ({"model": {"recompute": "some"}}, r"model.recompute: 'some' is not one of"),
     ({"engine": "megatron"}, r"runs on the 'fsdp' engine, not 'megatron'"),
 ])  # fmt: skip

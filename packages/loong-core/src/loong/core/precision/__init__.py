@@ -4,9 +4,11 @@
 - :mod:`~loong.core.precision.fp8_linear`: ``fp8_mm`` (``torch._scaled_mm`` or emulation) and the FP8
   linear autograd op with megatron's tensor-parallel communication;
 - :mod:`~loong.core.precision.adaptive`: per-layer decisions from measured speedup tables, the probe;
+- :mod:`~loong.core.precision.plan`: what both engines share: the start-up checks, the per-layer plan
+  (exclusions, dimension rules) and its log.
 
-Converting a built megatron model's linears in place is the megatron engine's
-(:mod:`loong.core.engines.megatron.fp8`).
+Converting a built model's linears in place is the engines' (:mod:`loong.core.engines.megatron.fp8` for megatron's
+parallel linears, :mod:`loong.core.engines.fsdp.fp8` for ``torch.nn.Linear``).
 """
 
 from loong.core.precision.adaptive import H200_TABLE, SpeedupTable, decide, layer_speedup, probe, table_for

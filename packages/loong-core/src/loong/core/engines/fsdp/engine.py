@@ -20,6 +20,7 @@ from loong.core.engines.base import Engine, PendingSave, StepMetrics, num_microb
 from loong.core.engines.fsdp import checkpoint
 from loong.core.engines.fsdp.cuda_graph import StepGraphs
 from loong.core.engines.fsdp.ema import WeightEMA
+from loong.core.engines.fsdp.fp8 import adaptive_refusal, apply_fp8
 from loong.core.engines.fsdp.mesh import FSDPLayout, check_parallel, init_mesh
 from loong.core.engines.fsdp.schedule import lr_at, param_groups
 from loong.core.engines.fsdp.task import FSDPTask
@@ -32,6 +33,7 @@ from loong.core.engines.fsdp.wrap import (
     shard,
 )
 from loong.core.errors import LoongError
+from loong.core.precision.plan import check_precision
 from loong.core.registry import ENGINES, TASKS
 
 #: Keys that only the megatron engine reads: refused here when set, so a key never silently means nothing.
@@ -74,9 +76,8 @@ class FSDPEngine(Engine):
             if getattr(getattr(cfg, section), key) != default:
                 raise LoongError(f"{dotted}: a megatron engine option; the fsdp engine shards optimiser state with "
                                  "parallel.fsdp=full|hybrid and offloads with parallel.fsdp_cpu_offload=true")
-        if cfg.precision.fp8 != "off":
-            raise LoongError(f"precision.fp8={cfg.precision.fp8}: FP8 recipes are applied to megatron's linear "
-                             "layers only; set precision.fp8=off on the fsdp engine")
+        if cfg.precision.fp8 == "adaptive":
+            raise LoongError(adaptive_refusal())
         check_parallel(cfg.parallel)
         recompute_mode(cfg)
         if cfg.train.cuda_graphs:
@@ -96,6 +97,8 @@ class FSDPEngine(Engine):
         if cfg.train.cuda_graphs and accelerator.graph_backend() is None:  # before anything is written
             raise LoongError(f"train.cuda_graphs=true: the {accelerator.name} accelerator has no graph capture "
                              "(CUDA graphs need an NVIDIA GPU); drop train.cuda_graphs")
+        # the megatron engine's FP8 checks (capability, bf16), here so that they fail before anything is written
+        check_precision(cfg.precision, accelerator, resolve_dtype(cfg.train.precision, accelerator))
         return init_mesh(accelerator, cfg.parallel)
 
     def __init__(self, task: FSDPTask, cfg: RunConfig, accelerator: Accelerator, layout: FSDPLayout,
@@ -114,6 +117,8 @@ class FSDPEngine(Engine):
             task.init_weights(model)  # before sharding: whole tensors, the task's own code
         if not cfg.parallel.fsdp_cpu_offload:
             model = model.to(self.device)
+        # FP8 linears by class swap, before the wrappers: they and the checkpoints see the same modules and keys
+        self.fp8_plan = apply_fp8(model, cfg.precision, self.device, task.fp8_exclude(), self.echo)
         blocks = apply_recompute(model, task.blocks(model), recompute_mode(cfg), task.mlp)
         if t.compile:
             why = accelerator.fsdp_adaptations().get("compile_unsupported")

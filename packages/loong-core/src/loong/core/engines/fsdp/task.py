@@ -76,6 +76,12 @@ class FSDPTask(Task):
         """
         return {}
 
+    def fp8_exclude(self) -> list[str]:
+        """Names or globs of the model's linear layers that stay in high precision under ``precision.fp8``, besides
+        the run's ``precision.fp8_exclude`` (matched like it: the whole dotted name, or its last part). Default none.
+        """
+        return []
+
     def mlp(self, block: nn.Module) -> nn.Module | None:
         """The block's feed-forward part, recomputed by ``model.recompute=selective`` (default: the first child
         named in :data:`MLP_NAMES`)."""

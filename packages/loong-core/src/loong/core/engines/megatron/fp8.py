@@ -15,10 +15,7 @@ recipes via megatron's ``TransformerConfig.fp8`` / ``fp8_recipe`` (tensorwise an
 
 from __future__ import annotations
 
-import fnmatch
-import warnings
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -26,13 +23,21 @@ import torch.distributed as dist
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 
 from loong.core.accelerators.base import Accelerator
-from loong.core.accelerators.capabilities import FP8
 from loong.core.config.schema import PrecisionConfig
 from loong.core.engines.megatron.linear_swap import is_te_linear, linear_call, restore_classes, with_mixin
 from loong.core.engines.megatron.state import unwrap
 from loong.core.errors import LoongError
-from loong.core.precision.adaptive import Decision, SpeedupTable, decide, table_for
-from loong.core.precision.fp8_linear import FP8LinearFunction, native_support
+from loong.core.precision.adaptive import SpeedupTable, table_for
+from loong.core.precision.fp8_linear import FP8LinearFunction
+from loong.core.precision.plan import (  # noqa: F401  (check_precision, summarize: this module's API since before)
+    Candidate,
+    LayerPlan,
+    check_precision,
+    plan_layers,
+    recipe_of,
+    summarize,
+    warn_if_emulated,
+)
 from loong.core.precision.recipes import RECIPES, FP8Recipe
 
 
@@ -83,62 +88,22 @@ def remove_fp8(chunks: Iterable[torch.nn.Module]) -> int:
     return len(restored)
 
 
-@dataclass(frozen=True)
-class LayerPlan:
-    """What happens to one linear layer: ``n`` x ``k`` weight (local shard), ``m`` tokens per micro-batch."""
-
-    name: str
-    m: int
-    n: int
-    k: int
-    recipe: str | None
-    speedup: float | None
-    reason: str
-
-
-def _native_ok(recipe: FP8Recipe, n: int, k: int) -> bool:
-    mult = 128 if recipe.name == "blockwise" else 16
-    return n % mult == 0 and k % mult == 0
-
-
 def plan_fp8(chunks: Iterable[torch.nn.Module], precision: PrecisionConfig, tokens: int, *,
              table: SpeedupTable | None = None, native: bool = True) -> list[LayerPlan]:
-    """Decide, for every megatron linear layer of ``chunks``, whether and how it runs in fp8.
+    """Decide, for every megatron linear layer of ``chunks``, whether and how it runs in fp8
+    (:func:`~loong.core.precision.plan.plan_layers`; the output layer stays bf16).
 
     ``tokens``: rows of a layer's input per micro-batch (sequence length x micro-batch size). ``table``
     is required for ``adaptive``. ``native=False`` (emulation) lifts the dimension rules.
     """
-    mode = precision.fp8
-    if mode == "off":
-        return []
-    recipe = RECIPES[precision.fp8_adaptive_recipe if mode == "adaptive" else mode]
-    if mode == "adaptive" and table is None:
+    if precision.fp8 == "adaptive" and table is None:
         raise ValueError("plan_fp8: precision.fp8=adaptive needs a speedup table")
-    plans = []
-    for i, chunk in enumerate(chunks):
-        for name, module in unwrap(chunk).named_modules():
-            if not isinstance(module, ColumnParallelLinear | RowParallelLinear):
-                continue
-            label = name if i == 0 else f"chunk{i}.{name}"
-            w = module.weight
-            n, k = (w.shape[0], w.shape[1]) if w is not None else (0, 0)
-
-            def keep(reason: str, label: str = label, n: int = n, k: int = k) -> None:
-                plans.append(LayerPlan(label, tokens, n, k, None, None, reason))
-
-            if name.rsplit(".", 1)[-1] == "output_layer":
-                keep("output layer")
-            elif w is None:
-                keep("no weight of its own")
-            elif any(fnmatch.fnmatchcase(name, g) or name.rsplit(".", 1)[-1] == g for g in precision.fp8_exclude):
-                keep("precision.fp8_exclude")
-            elif native and not _native_ok(recipe, n, k):
-                keep(f"{n}x{k} weight: _scaled_mm needs multiples of {128 if recipe.name == 'blockwise' else 16}")
-            else:
-                d = decide(table, recipe, tokens, n, k, precision.fp8_adaptive_threshold) if table is not None \
-                    and mode == "adaptive" else Decision(True, None, f"precision.fp8={mode}")
-                plans.append(LayerPlan(label, tokens, n, k, recipe.name if d.fp8 else None, d.speedup, d.reason))
-    return plans
+    return plan_layers((Candidate(name if i == 0 else f"chunk{i}.{name}", name,
+                                  None if module.weight is None else tuple(module.weight.shape),
+                                  "output layer" if name.rsplit(".", 1)[-1] == "output_layer" else None)
+                        for i, chunk in enumerate(chunks) for name, module in unwrap(chunk).named_modules()
+                        if isinstance(module, ColumnParallelLinear | RowParallelLinear)),
+                       precision, tokens, table=table, native=native)
 
 
 def convert_linears(chunks: list[torch.nn.Module], plans: Iterable[LayerPlan], native: bool = True) -> int:
@@ -152,37 +117,6 @@ def convert_linears(chunks: list[torch.nn.Module], plans: Iterable[LayerPlan], n
                 convert_to_fp8(module, RECIPES[plan.recipe], native)  # type: ignore[index]
                 n += 1
     return n
-
-
-def summarize(plans: list[LayerPlan]) -> list[str]:
-    """Log lines: layers grouped by name with the layer index as ``*``, shape and verdict."""
-    groups: dict[tuple, int] = {}
-    for p in plans:
-        pattern = ".".join("*" if part.isdigit() else part for part in p.name.split("."))
-        key = (pattern, p.m, p.n, p.k, p.recipe, None if p.speedup is None else round(p.speedup, 2), p.reason)
-        groups[key] = groups.get(key, 0) + 1
-    n_fp8 = sum(p.recipe is not None for p in plans)
-    lines = [f"fp8: {n_fp8} of {len(plans)} linear layers run in fp8"]
-    for (pattern, m, n, k, recipe, _s, reason), count in groups.items():
-        shape = f" [{m}x{n}x{k}]" if n else ""
-        lines.append(f"  {pattern} x{count}{shape}: {recipe or 'bf16'} ({reason})")
-    return lines
-
-
-def check_precision(precision: PrecisionConfig, accelerator: Accelerator, dtype: torch.dtype) -> None:
-    """Fail before the model is built when ``precision.fp8`` cannot run here (``dtype``: the training dtype)."""
-    mode = precision.fp8
-    if mode == "off":
-        return
-    if FP8 not in accelerator.capabilities():
-        raise LoongError(
-            f"precision.fp8={mode} needs hardware FP8 matrix products (the '{FP8}' capability: NVIDIA GPUs of "
-            f"compute capability 8.9 or newer, e.g. L40S, H100, H200); the '{accelerator.name}' accelerator does "
-            "not report it. Set precision.fp8=off"
-        )
-    if dtype != torch.bfloat16:
-        raise LoongError(f"precision.fp8={mode} needs bf16 training, but the run trains in {dtype}; "
-                         "set train.precision=bf16")
 
 
 def _enable_te_fp8(models: list[torch.nn.Module], precision: PrecisionConfig) -> str:
@@ -234,7 +168,7 @@ def apply_fp8(chunks: list[torch.nn.Module], cfg: Any, accelerator: Accelerator,
         return []
     device = accelerator.device(local_rank)
     tokens = cfg.train.seq_length // max(cfg.parallel.cp, 1) * cfg.train.micro_batch_size
-    recipe = RECIPES[precision.fp8_adaptive_recipe if precision.fp8 == "adaptive" else precision.fp8]
+    recipe = recipe_of(precision)
     table = None
     if precision.fp8 == "adaptive":
         shapes = {(tokens, p.n, p.k) for p in plan_fp8(models, PrecisionConfig(fp8=recipe.name, fp8_exclude=
@@ -244,8 +178,5 @@ def apply_fp8(chunks: list[torch.nn.Module], cfg: Any, accelerator: Accelerator,
     convert_linears(models, plans)
     for line in summarize(plans):
         say(line)
-    support = native_support(device)
-    if recipe.name == "blockwise" and not (support["blockwise_fwd"] and support["blockwise_wgrad"]):
-        warnings.warn(f"fp8 blockwise: this GPU/torch has no native kernel for some of its GEMMs ({support}); "
-                      "those are emulated (dequantise + bf16 matmul), slower than bf16", stacklevel=2)
+    warn_if_emulated(recipe, device)
     return plans
