@@ -140,6 +140,8 @@ ROWS: dict[str, Row] = {
     "groot_n1_7/loong_graphs": Row("loong-embodied train, bf16, CUDA graphs (no FSDP)",
                                    _loong("groot_n1_7", "groot_n1_7", *GRAPHS), smoke=_NO_GRAPHS_ON_CPU),
     "groot_n1_6/loong": Row("loong-embodied train, bf16", _loong("groot_n1_6", "groot_n1_6")),
+    "groot_n1_6/loong_graphs": Row("loong-embodied train, bf16, CUDA graphs (no FSDP)",
+                                   _loong("groot_n1_6", "groot_n1_6", *GRAPHS), smoke=_NO_GRAPHS_ON_CPU),
 }
 SMOKE_DEFAULTS = dict(image_size=32, episodes=12, batch=2, steps=3, warmup=1, workers=0)
 PUBLISHED_DEFAULTS = dict(image_size=224, episodes=8, batch=32, steps=20, warmup=8, workers=8)
