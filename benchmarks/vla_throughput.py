@@ -26,6 +26,8 @@ Rows (:data:`ROWS`; ``--rows`` picks):
 - ``groot_n1_7/loong_ddp``, ``groot_n1_7/loong_graphs``, ``pi05/loong_graphs``: the Loong row with
   ``parallel.fsdp=none`` (replicated weights: on one GPU FSDP2 only costs its per-block casts), and with
   ``train.cuda_graphs=true`` as well (each micro-batch's forward + backward replayed as one CUDA graph);
+  ``pi05/loong_graphs_mb16`` with ``train.micro_batch_size=16`` too (micro-batch 32 did not fit with graphs), and
+  ``groot_n1_6/loong_graphs`` (not measured yet);
 - ``pi05/loong_fp8``: the Loong row with ``precision.fp8=tensorwise`` (its linear layers' GEMMs in FP8; not
   measured yet);
 - ``groot_n1_6/loong``: ``loong-embodied train model.policy=groot_n1_6 model.preset=groot_n1_6`` (no baseline).
