@@ -67,6 +67,25 @@ CASES = [
     ("loong-llm", ["parallel.pp=8"], "parallel.pp=8: more pipeline chunks (parallel.pp x parallel.vpp) than the "
                                      "model's 4 layers"),
     ("loong-llm", ["model.num_experts=4", "parallel.ep=8"], "parallel.ep=8 is more than the model's 4 experts"),
+    # rows the layout cannot split into equal parts (megatron stopped in the first forward on a bare assertion,
+    # after the run directory was written): sequence parallelism, asked for or implied by a MoE model at tp > 1, CP,
+    # and both (12 divides by 2 * cp and by tp, but a CP rank's 6 tokens do not split over tp=4)
+    ("loong-llm", ["parallel.tp=2", "parallel.sequence_parallel=true", "train.seq_length=33"],
+     "train.seq_length=33 must divide by parallel.tp=2 under sequence parallelism (parallel.sequence_parallel=true): "
+     "each tensor-parallel rank holds an equal slice of every row; allowed: multiples of 2, e.g. 32 or 34"),
+    ("loong-llm", ["task=sft", "parallel.tp=2", "parallel.sequence_parallel=true", "train.seq_length=33"],
+     "train.seq_length=33 must divide by parallel.tp=2 under sequence parallelism"),
+    ("loong-llm", ["model=qwen3_30b_a3b_4l", "parallel.tp=2", "train.seq_length=33"],
+     "train.seq_length=33 must divide by parallel.tp=2 under sequence parallelism (a MoE / MLA model runs "
+     "sequence-parallel at tp > 1)"),
+    ("loong-llm", ["parallel.cp=2", "train.seq_length=30"],
+     "parallel.cp=2: train.seq_length=30 must divide by 2 * cp = 4 (each CP rank holds two of 2 * cp equal chunks of "
+     "every row); allowed: multiples of 4, e.g. 28 or 32"),
+    ("loong-llm", ["parallel.tp=4", "parallel.cp=2", "parallel.sequence_parallel=true", "model.num_query_groups=4",
+                   "train.seq_length=12"],
+     "train.seq_length=12 must divide by parallel.cp x parallel.tp = 8 under sequence parallelism with context "
+     "parallelism (parallel.sequence_parallel=true): each tensor-parallel rank holds an equal slice of its CP rank's "
+     "share of every row; allowed: multiples of 8, e.g. 8 or 16"),
     # loong-diffusion: its data / train / model keys and the core's keys under its schema
     ("loong-diffusion", ["train.steps=-5"], "train.steps=-5: must be >= 1"),
     ("loong-diffusion", ["data.frames=0"], "data.frames=0: must be >= 1"),

@@ -107,6 +107,33 @@ def test_layout_larger_than_the_world(cli) -> None:
     assert "world size 1" in msg and "tp" in msg
 
 
+@pytest.mark.parametrize("gbs,expected", [
+    (6, "the interleaved pipeline (parallel.vpp=2) runs micro-batches in groups of parallel.pp=2; "
+        "train.global_batch_size=6 / (train.micro_batch_size=2 x data-parallel size 1) = 3 micro-batches per step is "
+        "not a multiple of 2; allowed: train.global_batch_size a multiple of 4, e.g. 4 or 8"),
+    (2, "= 1 micro-batches per step is not a multiple of 2; allowed: train.global_batch_size a multiple of 4, e.g. 4"),
+    (8, None),
+])
+def test_interleaved_pipeline_needs_whole_groups_of_micro_batches(gbs: int, expected: str | None) -> None:
+    """megatron-core's interleaved schedule stopped in the first step on 3 micro-batches at pp=2 (a RuntimeError
+    on "dependency bubbles"; seen on 2 gloo ranks). The engine refuses it before building the model; a unit test,
+    as one process cannot lay out pp=2."""
+    from loong.core.config import compose_config
+    from loong.core.engines.megatron.engine import check_interleaved_microbatches
+    from loong.core.errors import LoongError
+    from loong.llm.schema import LLMRunConfig
+
+    cfg, _ = compose_config("loong.llm.configs", "pretrain", ["parallel.pp=2", "parallel.vpp=2",
+                                                               f"train.global_batch_size={gbs}",
+                                                               "train.micro_batch_size=2"], LLMRunConfig)
+    if expected is None:
+        check_interleaved_microbatches(cfg, dp=1)
+        return
+    with pytest.raises(LoongError) as exc:
+        check_interleaved_microbatches(cfg, dp=1)
+    assert expected in str(exc.value), exc.value
+
+
 def test_init_from_unsupported_hf_architecture(cli, inputs: Path) -> None:
     msg = cli(f"model.init_from_hf={inputs / 'gpt2'}")
     assert "GPT2LMHeadModel" in msg and str(inputs / "gpt2") in msg and "LlamaForCausalLM" in msg

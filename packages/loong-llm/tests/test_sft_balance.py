@@ -91,3 +91,56 @@ def test_balance_refused_where_it_cannot_apply(tmp_path: Path) -> None:
         compose_config("loong.llm.configs", "pretrain", ["data.balance.cost=fitt"], LLMRunConfig)
     with pytest.raises(LoongError, match="three non-negative"):
         compose_config("loong.llm.configs", "pretrain", ["data.balance.cost=[1,2]"], LLMRunConfig)
+
+
+SPLITS = [  # (overrides, what a trimmed row's length must divide by)
+    ([], 8),
+    (["parallel.tp=3"], 8),  # no sequence parallelism: rows are not split over TP
+    (["parallel.tp=2", "parallel.sequence_parallel=true"], 8),
+    (["parallel.tp=3", "parallel.sequence_parallel=true"], 24),  # multiples of 8 were 2 in 3 times unsplittable
+    (["parallel.tp=16", "parallel.sequence_parallel=true"], 16),
+    (["model=qwen3_30b_a3b_4l", "parallel.tp=6"], 24),  # MoE at tp > 1 runs sequence-parallel, not asked for
+    (["parallel.cp=3"], 24),  # 2 * cp chunks
+    (["parallel.tp=4", "parallel.cp=2", "parallel.sequence_parallel=true"], 8),  # cp * tp
+    (["parallel.tp=3", "parallel.cp=2", "parallel.sequence_parallel=true"], 24),
+]
+
+
+@pytest.mark.parametrize("overrides,multiple", SPLITS, ids=[" ".join(o) or "default" for o, _ in SPLITS])
+def test_trimmed_rows_split_over_the_layout(overrides: list[str], multiple: int) -> None:
+    from loong.core.config import compose_config
+    from loong.llm.schema import LLMRunConfig
+    from loong.llm.sft.balance import row_multiple, trimmed_length
+
+    cfg, _ = compose_config("loong.llm.configs", "pretrain", ["task=sft", *overrides], LLMRunConfig)
+    assert row_multiple(cfg.model, cfg.parallel) == multiple
+    seq = 4 * multiple
+    for longest in range(seq + 1):  # the longest row rounded up to the multiple (an empty micro-batch: one)
+        assert trimmed_length(longest, seq, multiple) == max(multiple, -(-longest // multiple) * multiple), longest
+    # a train.seq_length that the layout splits (check_config) but is no multiple of 24 caps the longest rows
+    assert trimmed_length(95, 96, 24) == 96 and trimmed_length(75, 78, 24) == 78 and trimmed_length(0, 12, 24) == 12
+
+
+def test_balanced_rows_under_tp3_sequence_parallelism() -> None:
+    """Every row of every balanced micro-batch splits over tp=3 (rows of 40 slots stopped megatron in the first
+    forward at tp=3 with sequence parallelism; seen on 3 gloo ranks), still trimmed below seq_length."""
+    import numpy as np
+
+    from loong.core.config import compose_config
+    from loong.llm.data.text import GlobalBatchSampler
+    from loong.llm.schema import LLMRunConfig
+    from loong.llm.sft.balance import BalancedConversations
+    from loong.llm.sft.packing import Document, PackedSequences
+
+    cfg, _ = compose_config("loong.llm.configs", "pretrain", [
+        "task=sft", "data.balance.enabled=true", "data.packing=false", "parallel.tp=3",
+        "parallel.sequence_parallel=true", "train.seq_length=96", "train.global_batch_size=8",
+        "train.micro_batch_size=2"], LLMRunConfig)
+    rng = random.Random(0)
+    docs = [Document(np.arange(n + 1), np.ones(n, dtype=bool)) for n in (rng.randint(3, 96) for _ in range(40))]
+    data = PackedSequences(docs, 96, packing=False, pad_id=0)
+    balanced = BalancedConversations(cfg, data, GlobalBatchSampler(len(data), seed=0), dp_size=1, dp_group=None)
+    lengths = {len(row["tokens"]) for step in range(4) for rows in balanced.rows(step, 0)
+               for row in balanced.row_arrays(rows)}
+    assert all(n % 3 == 0 and (n % 24 == 0 or n == 96) for n in lengths), lengths
+    assert min(lengths) < 96, lengths

@@ -508,3 +508,38 @@ def test_text_only_samples_and_encoder_matched_processors(folders, tmp_path):
     assert proc.hf.image_seq_length == 4 and proc.tile_size == (56, 56)
     with pytest.raises(LoongError, match="encoder.family=siglip2"):
         tiny_processor_shape(EncoderConfig(family="siglip2"))
+
+
+# --- balanced rows -----------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("overrides,multiple", [
+    (["parallel.tp=3", "parallel.sequence_parallel=true"], 24),  # lcm(8, 3): multiples of 8 alone stopped megatron
+    (["model=tiny_qwen3_vl_moe", "parallel.tp=3"], 24),  # a MoE foundation runs sequence-parallel at tp > 1
+    (["parallel.tp=16", "parallel.sequence_parallel=true"], 16),
+    (["parallel.tp=3"], 8),  # without sequence parallelism TP does not split the rows
+])
+def test_balanced_rows_split_over_the_foundations_sequence_parallelism(overrides: list[str], multiple: int) -> None:
+    """Each balanced micro-batch's rows are trimmed to its longest row rounded up to a multiple of 8 and of what
+    sequence parallelism splits every row into (no multi-process launch: the plan is the same on every rank)."""
+    import random
+    from types import SimpleNamespace
+
+    from loong.core.config import compose_config
+    from loong.llm.data.text import GlobalBatchSampler
+    from loong.vlm.data.balance import BalancedVisionSamples
+    from loong.vlm.data.encode import EncodedSample
+    from loong.vlm.data.packing import PackedVisionSequences
+    from loong.vlm.schema import VLMRunConfig
+
+    seq = 240
+    cfg, _ = compose_config("loong.vlm.configs", "train", [
+        "data.balance.enabled=true", "data.packing=false", f"train.seq_length={seq}", "train.global_batch_size=8",
+        "train.micro_batch_size=2", *overrides], VLMRunConfig)
+    rng = random.Random(0)
+    samples = [EncodedSample(np.arange(n), np.ones(n, dtype=bool), np.zeros(n, dtype=np.int64))
+               for n in (rng.randint(4, seq + 1) for _ in range(40))]  # text only: no media to decode
+    packed = PackedVisionSequences(samples, seq, packing=False, pad_id=0)
+    data = SimpleNamespace(packed=packed)
+    balanced = BalancedVisionSamples(cfg, data, GlobalBatchSampler(len(packed), seed=0), dp_size=1, dp_group=None)
+    assert balanced.row_multiple == multiple
+    lengths = {length for step in range(4) for rows in balanced.rows(step, 0) for _, length in rows}
+    assert all(n % multiple == 0 or n == seq for n in lengths) and min(lengths) < seq, lengths

@@ -42,9 +42,8 @@ class PretrainTask(MegatronTask):
 
             cfg.model = checkpoint_model_config(cfg.model.init_from, keep=cfg.model)  # its shape, as init_from_hf
         p, m = cfg.parallel, cfg.model
-        check_model_layout(m, p.tp, p.pp * (p.vpp or 1), cfg.train.seq_length, ep=p.ep, etp=p.etp)
-        if p.cp > 1:
-            cls._check_context_parallel(cfg)
+        check_model_layout(m, p.tp, p.pp * (p.vpp or 1), cfg.train.seq_length, ep=p.ep, etp=p.etp, cp=p.cp,
+                           sequence_parallel=p.sequence_parallel)
         if m.vocab_size % p.tp:
             raise LoongError(f"parallel.tp={p.tp} does not divide model.vocab_size={m.vocab_size}")
         if uses_indexed_data(cfg.data):  # preprocessed shards: the blend and its files
@@ -63,13 +62,6 @@ class PretrainTask(MegatronTask):
             raise LoongError("model.lora on a mixture-of-experts model is not supported yet (the experts' "
                              "linear layers are not wrapped); set model.lora.rank=0")
         check_lora_config(m.lora, sequence_parallel=(p.sequence_parallel or m.is_moe) and p.tp > 1)
-
-    @staticmethod
-    def _check_context_parallel(cfg: Any) -> None:
-        p, seq = cfg.parallel, cfg.train.seq_length
-        if seq % (2 * p.cp):
-            raise LoongError(f"parallel.cp={p.cp}: train.seq_length={seq} must divide by 2 * cp = {2 * p.cp} "
-                             "(each CP rank holds two of 2 * cp equal chunks)")
 
     # --- model -----------------------------------------------------------------------------
     def model_config(self, dtype: torch.dtype) -> Any:

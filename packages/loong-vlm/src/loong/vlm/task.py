@@ -59,13 +59,11 @@ def check_vlm_config(cfg: VLMRunConfig) -> None:
     if enc.decoupled and p.vpp:
         raise LoongError(f"encoder.decoupled=true with parallel.vpp={p.vpp} is not supported (the tower's replicas "
                          "are placed one per pipeline rank, not per virtual stage); drop parallel.vpp")
-    check_model_layout(fnd, p.tp, p.pp * (p.vpp or 1), cfg.train.seq_length, ep=p.ep, etp=p.etp)
+    check_model_layout(fnd, p.tp, p.pp * (p.vpp or 1), cfg.train.seq_length, ep=p.ep, etp=p.etp, cp=p.cp,
+                       sequence_parallel=p.sequence_parallel)  # rows that CP / SP cannot split too
     if fnd.vocab_size % p.tp:
         raise LoongError(f"parallel.tp={p.tp} does not divide foundation.vocab_size={fnd.vocab_size}")
     if p.cp > 1:
-        if cfg.train.seq_length % (2 * p.cp):
-            raise LoongError(f"parallel.cp={p.cp}: train.seq_length={cfg.train.seq_length} must divide by 2 * cp = "
-                             f"{2 * p.cp} (each CP rank holds two of 2 * cp equal chunks of every row)")
         if enc.decoupled:
             raise LoongError(f"encoder.decoupled=true with parallel.cp={p.cp} is not supported (the tower's replicas "
                              "are placed per pipeline rank and summed over it, not over context parallelism); "
@@ -73,12 +71,6 @@ def check_vlm_config(cfg: VLMRunConfig) -> None:
         if cfg.data.balance.enabled:
             raise LoongError(f"data.balance.enabled=true with parallel.cp={p.cp} is not supported (balanced "
                              "micro-batches vary in length, CP splits fixed-length rows); use one of them")
-    if p.tp > 1 and (p.sequence_parallel or fnd.is_moe or fnd.is_mla) and cfg.train.seq_length % p.tp:
-        # the foundation runs sequence-parallel then (MoE and MLA at tp > 1 always: loong.llm.models.build); megatron
-        # would stop in the first forward on a bare assertion
-        raise LoongError(f"train.seq_length={cfg.train.seq_length} must divide by parallel.tp={p.tp} under sequence "
-                         "parallelism (parallel.sequence_parallel=true, or a MoE / MLA foundation at tp > 1): each "
-                         "tensor-parallel rank holds an equal slice of every row")
     from loong.core.engines.megatron.layout import check_component_tp
     from loong.vlm.models.vision.tensor_parallel import check_encoder_tp
 

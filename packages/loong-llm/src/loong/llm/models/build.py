@@ -32,7 +32,7 @@ from megatron.core.utils import get_pg_rank
 from loong.core.config.schema import ParallelConfig
 from loong.core.errors import LoongError
 from loong.llm.models.attention import FusedRoPESelfAttention, core_attention_for
-from loong.llm.models.config import DenseModelConfig
+from loong.llm.models.config import DenseModelConfig, runs_sequence_parallel
 from loong.llm.models.fused import FusedKernels, FusedRMSNorm, FusedSwiGLU, resolve_fused_kernels
 from loong.llm.models.gpt import LoongGPTModel
 from loong.llm.models.grouped_experts import uses_grouped_mm, with_grouped_mm_experts
@@ -73,9 +73,8 @@ def transformer_config(
         context_parallel_size=parallel.cp,
         expert_model_parallel_size=parallel.ep,
         expert_tensor_parallel_size=parallel.etp,
-        # megatron's MoELayer trains with TP > 1 only under sequence parallelism: on for MoE at TP > 1
-        # (and MLA's KV down-projection splits its rope key correctly only under it: deepseek_v3/spec.py)
-        sequence_parallel=(parallel.sequence_parallel or model.is_moe or model.is_mla) and parallel.tp > 1,
+        # on for MoE and MLA at TP > 1 whatever parallel.sequence_parallel says (see runs_sequence_parallel)
+        sequence_parallel=runs_sequence_parallel(model, parallel.tp, parallel.sequence_parallel),
         params_dtype=dtype,
         pipeline_dtype=dtype,
         bf16=dtype == torch.bfloat16,

@@ -282,9 +282,17 @@ def training_flops_per_token(model: DenseModelConfig, seq_length: int) -> float:
     return 6.0 * n + attn
 
 
+def runs_sequence_parallel(model: DenseModelConfig, tp: int, requested: bool) -> bool:
+    """Whether the model runs megatron's sequence parallelism: asked for (``parallel.sequence_parallel``, here
+    ``requested``) or implied, at ``tp > 1``. megatron's MoELayer trains with TP > 1 only under it, and MLA's KV
+    down-projection splits its rope key correctly only under it (``deepseek_v3/spec.py``)."""
+    return tp > 1 and (requested or model.is_moe or model.is_mla)
+
+
 def check_model_layout(model: DenseModelConfig, tp: int, pp: int, seq_length: int, ep: int = 1,
-                       etp: int | None = None) -> None:
-    """Errors a user can fix in the config: TP/PP/EP that do not divide the model, too-long sequences."""
+                       etp: int | None = None, cp: int = 1, sequence_parallel: bool = False) -> None:
+    """Errors a user can fix in the config: TP/PP/EP that do not divide the model, too-long sequences, sequences
+    that context or sequence parallelism (``sequence_parallel``: ``parallel.sequence_parallel``) cannot split."""
     if model.num_attention_heads % tp:
         raise LoongError(
             f"parallel.tp={tp} does not divide the model's {model.num_attention_heads} attention heads"
@@ -317,3 +325,8 @@ def check_model_layout(model: DenseModelConfig, tp: int, pp: int, seq_length: in
             f"train.seq_length={seq_length} is larger than the model's maximum "
             f"max_position_embeddings={model.max_position_embeddings}"
         )
+    from loong.core.engines.megatron.layout import check_sequence_split
+
+    check_sequence_split(seq_length, tp, cp, runs_sequence_parallel(model, tp, sequence_parallel),
+                         why="parallel.sequence_parallel=true" if sequence_parallel else
+                         "a MoE / MLA model runs sequence-parallel at tp > 1")

@@ -6,22 +6,41 @@ each data-parallel rank a set of conversations of about equal cost (``a*len**2 +
 attention being quadratic) and splits them into micro-batches holding at most
 ``micro_batch_size * seq_length`` real tokens. Each micro-batch is then laid out as rows
 (best-fit packed with ``data.packing``, else one conversation per row) trimmed to its longest row,
-so short conversations no longer pay for padding to ``seq_length``. The loss is the per-token mean
+so short conversations no longer pay for padding to ``seq_length``; the length is rounded up to
+:func:`row_multiple` (8, and what sequence / context parallelism split every row into). The loss is the per-token mean
 of the same conversations, so only summation order changes.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import numpy as np
 
 from loong.core.balance import CostModel, DataBalancer, StepPlan
+from loong.core.config.schema import ParallelConfig
+from loong.core.engines.megatron.layout import sequence_multiple
 from loong.llm.data.text import GlobalBatchSampler
-from loong.llm.models.config import DenseModelConfig
+from loong.llm.models.config import DenseModelConfig, runs_sequence_parallel
 from loong.llm.sft.packing import PackedSequences, pack_best_fit, pack_row
 
-ROW_MULTIPLE = 8  # trimmed rows are rounded up to this many slots (friendly GEMM shapes)
+ROW_MULTIPLE = 8  # trimmed rows are rounded up to a multiple of this many slots (friendly GEMM shapes)
+
+
+def row_multiple(model: DenseModelConfig, parallel: ParallelConfig) -> int:
+    """What a trimmed row's length must divide by: :data:`ROW_MULTIPLE` and the layout's sequence split (``tp``
+    under sequence parallelism, asked for or implied by a MoE / MLA model; ``2 * cp`` / ``cp * tp`` under context
+    parallelism: :func:`~loong.core.engines.megatron.layout.sequence_multiple`), e.g. 24 at ``tp=3`` with SP."""
+    sp = runs_sequence_parallel(model, parallel.tp, parallel.sequence_parallel)
+    return math.lcm(ROW_MULTIPLE, sequence_multiple(parallel.tp, parallel.cp, sp))
+
+
+def trimmed_length(longest: int, seq_length: int, multiple: int) -> int:
+    """The length of a balanced micro-batch's rows: its ``longest`` row rounded up to ``multiple`` (at least one
+    multiple: an empty micro-batch is one padding row), at most ``seq_length`` (which the layout check makes a
+    multiple of the sequence split, so a capped row splits too)."""
+    return min(seq_length, max(multiple, -(-longest // multiple) * multiple))
 
 
 def conversation_cost_model(model: DenseModelConfig) -> CostModel:
@@ -41,6 +60,7 @@ class BalancedConversations:
         self.data, self.sampler = data, sampler
         self.gbs, self.mbs, self.seq_length = t.global_batch_size, t.micro_batch_size, t.seq_length
         self.packing = cfg.data.packing
+        self.row_multiple = row_multiple(cfg.model, cfg.parallel)
         self.default_micro_batches = t.global_batch_size // (t.micro_batch_size * dp_size)
         self.balancer = DataBalancer(b.cost, conversation_cost_model(cfg.model), dp_size, t.seed,
                                      fit_steps=b.fit_steps, dp_group=dp_group)
@@ -82,9 +102,10 @@ class BalancedConversations:
         return out
 
     def row_arrays(self, rows: list[list[int]]) -> list[dict[str, np.ndarray]]:
-        """Row arrays trimmed to the longest row (an empty micro-batch is one padding row)."""
+        """Row arrays trimmed to the longest row, rounded up to :attr:`row_multiple` (an empty micro-batch is one
+        padding row)."""
         longest = max((sum(len(self.data.docs[d]) for d in row) for row in rows), default=0)
-        length = min(self.seq_length, max(ROW_MULTIPLE, -(-longest // ROW_MULTIPLE) * ROW_MULTIPLE))
+        length = trimmed_length(longest, self.seq_length, self.row_multiple)
         return [pack_row(self.data.docs, row, length, self.data.pad_id) for row in rows or [[]]]
 
     def step_metrics(self, step: int) -> dict[str, float]:

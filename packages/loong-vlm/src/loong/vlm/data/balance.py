@@ -5,7 +5,8 @@ The global batch of a step is what it is without balancing: the ``global_batch_s
 picks. Balancing redistributes their *samples*: the core planner (:class:`loong.core.balance.DataBalancer`) gives
 each data-parallel rank a set of samples of about equal cost and splits them into micro-batches of at most
 ``micro_batch_size * seq_length`` real tokens; each micro-batch is laid out as rows (best-fit packed with
-``data.packing``, else one sample a row) trimmed to its longest row. The loss is the per-token mean over the
+``data.packing``, else one sample a row) trimmed to its longest row, rounded up to loong-llm's ``row_multiple``
+(8, and what the foundation's sequence parallelism splits every row into). The loss is the per-token mean over the
 same assistant tokens, so only the summation order changes.
 
 A sample's cost is ``a·len² + b·len + c`` for the foundation (its tokens, placeholders included) plus
@@ -27,7 +28,7 @@ from torch.utils.data import Dataset
 
 from loong.core.balance import CostModel, DataBalancer, StepPlan
 from loong.llm.data.text import GlobalBatchSampler
-from loong.llm.sft.balance import ROW_MULTIPLE, conversation_cost_model
+from loong.llm.sft.balance import conversation_cost_model, row_multiple, trimmed_length
 from loong.llm.sft.packing import pack_best_fit
 from loong.vlm.data.dataset import VisionSFTDataset, vision_loader
 from loong.vlm.data.encode import EncodedSample
@@ -92,6 +93,7 @@ class BalancedVisionSamples:
         self.data, self.packed, self.sampler = data, data.packed, sampler
         self.gbs, self.mbs, self.seq_length = t.global_batch_size, t.micro_batch_size, t.seq_length
         self.packing = cfg.data.packing
+        self.row_multiple = row_multiple(cfg.foundation, cfg.parallel)  # the foundation's sequence split too
         self.default_micro_batches = t.global_batch_size // (t.micro_batch_size * dp_size)
         self.encoder = [encoder_tokens(s, cfg.encoder) for s in self.packed.samples]
         self.balancer = DataBalancer(b.cost, vision_cost_model(cfg), dp_size, t.seed, fit_steps=b.fit_steps,
@@ -134,7 +136,7 @@ class BalancedVisionSamples:
             bins = pack_best_fit(lengths, self.seq_length) if self.packing else [[i] for i in range(len(ids))]
             rows = [tuple(ids[i] for i in b) for b in bins] or [()]
             longest = max((sum(len(self.packed.samples[s]) - 1 for s in r) for r in rows), default=0)
-            length = min(self.seq_length, max(ROW_MULTIPLE, -(-longest // ROW_MULTIPLE) * ROW_MULTIPLE))
+            length = trimmed_length(longest, self.seq_length, self.row_multiple)
             out.append([(r, length) for r in rows])
         return out
 

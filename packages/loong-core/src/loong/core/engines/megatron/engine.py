@@ -26,7 +26,12 @@ from loong.core.accelerators.capabilities import OPTIMIZER_OFFLOAD
 from loong.core.config.schema import RunConfig, TrainConfig
 from loong.core.engines.base import Engine, PendingSave, StepMetrics, num_microbatches, resolve_dtype
 from loong.core.engines.megatron.fp8 import apply_fp8, check_precision
-from loong.core.engines.megatron.layout import MegatronLayout, init_distributed, shutdown_distributed
+from loong.core.engines.megatron.layout import (
+    MegatronLayout,
+    init_distributed,
+    nearest_multiples,
+    shutdown_distributed,
+)
 from loong.core.engines.megatron.optimizer_state import (
     load_merged_state_dict,
     match_saved_keys,
@@ -58,6 +63,23 @@ def check_optimizer_offload(train: TrainConfig, accelerator: Accelerator) -> Non
     if not 0.0 < train.optimizer_offload_fraction <= 1.0:
         raise LoongError(f"train.optimizer_offload_fraction={train.optimizer_offload_fraction}: give the share of "
                          "the optimizer state kept in host memory, in (0, 1]")
+
+
+def check_interleaved_microbatches(cfg: RunConfig, dp: int) -> None:
+    """The interleaved pipeline (``parallel.vpp``) runs each step's micro-batches in groups of ``parallel.pp``
+    (megatron-core's ``microbatch_group_size_per_vp_stage``, which Loong leaves at pp): their number must be a
+    multiple of pp, or megatron-core stops in the first step (a ``RuntimeError`` on the last group's "dependency
+    bubbles", or a ``ValueError`` below pp). Refused before any model is built, naming the batch keys."""
+    p, t = cfg.parallel, cfg.train
+    count = num_microbatches(cfg, dp)
+    if not p.vpp or not count % p.pp:
+        return
+    step = t.micro_batch_size * dp * p.pp
+    raise LoongError(f"the interleaved pipeline (parallel.vpp={p.vpp}) runs micro-batches in groups of parallel.pp="
+                     f"{p.pp}; train.global_batch_size={t.global_batch_size} / (train.micro_batch_size="
+                     f"{t.micro_batch_size} x data-parallel size {dp}) = {count} micro-batches per step is not a "
+                     f"multiple of {p.pp}; allowed: train.global_batch_size a multiple of {step}, e.g. "
+                     f"{nearest_multiples(t.global_batch_size, step)}")
 
 
 @ENGINES.register("megatron")
@@ -109,12 +131,7 @@ class MegatronEngine(Engine):
         check_precision(cfg.precision, accelerator, self.dtype)  # FP8 fails here, before any model is built
         check_optimizer_offload(cfg.train, accelerator)
         self.num_microbatches = num_microbatches(cfg, layout.dp)
-        if cfg.parallel.vpp and self.num_microbatches < cfg.parallel.pp:
-            raise LoongError(
-                f"the interleaved pipeline (parallel.vpp) needs at least parallel.pp={cfg.parallel.pp} "
-                f"micro-batches per step; this layout has {self.num_microbatches} (raise "
-                "train.global_batch_size or lower train.micro_batch_size)"
-            )
+        check_interleaved_microbatches(cfg, layout.dp)
         self.config = task.model_config(self.dtype)
         # megatron-core keeps the MoE aux loss's backward scale in class state, shaped by the first schedule that sets
         # it ([] or [1], depending on calculate_per_token_loss) and copied into afterwards: each engine starts without

@@ -6,6 +6,7 @@ that component by its task (:attr:`MegatronLayout.components`), never through mo
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -100,6 +101,43 @@ def check_component_tp(name: str, tp: int, model_tp: int) -> None:
         raise LoongError(f"{name}.parallel.tp={tp} must divide parallel.tp={model_tp} (the component's "
                          "tensor-parallel groups are consecutive sub-blocks of the model's); allowed: "
                          f"{', '.join(str(d) for d in range(1, model_tp + 1) if model_tp % d == 0)}")
+
+
+def sequence_multiple(tp: int, cp: int, sequence_parallel: bool) -> int:
+    """What every row's length must divide by for the megatron engine's sequence splits: ``2 * cp`` under context
+    parallelism (each CP rank holds two of ``2 * cp`` equal chunks, megatron's load-balanced layout) and, under
+    sequence parallelism at ``tp > 1``, ``cp * tp`` (each tensor-parallel rank holds an equal slice of its CP rank's
+    tokens); 1 where nothing splits the sequence."""
+    cp_split = 2 * cp if cp > 1 else 1
+    sp_split = cp * tp if sequence_parallel and tp > 1 else 1
+    return math.lcm(cp_split, sp_split)
+
+
+def nearest_multiples(value: int, multiple: int) -> str:
+    """The multiples of ``multiple`` next to ``value`` (below it when there is one, and above), for an error's
+    "allowed" hint."""
+    below = value // multiple * multiple
+    return f"{below} or {below + multiple}" if below else str(multiple)
+
+
+def check_sequence_split(seq_length: int, tp: int, cp: int, sequence_parallel: bool,
+                         why: str = "parallel.sequence_parallel=true", key: str = "train.seq_length") -> None:
+    """Refuse a row length (``key``) that context parallelism (``cp``) or sequence parallelism (``tp``, when
+    ``sequence_parallel``; ``why``: what turned it on) cannot split into equal parts (:func:`sequence_multiple`).
+    megatron-core would stop in the first forward on a bare assertion, after the run directory is written."""
+    allowed = sequence_multiple(tp, cp, sequence_parallel)
+    if not seq_length % allowed:
+        return
+    hint = f"allowed: multiples of {allowed}, e.g. {nearest_multiples(seq_length, allowed)}"
+    if cp > 1 and seq_length % (2 * cp):
+        raise LoongError(f"parallel.cp={cp}: {key}={seq_length} must divide by 2 * cp = {2 * cp} (each CP rank holds "
+                         f"two of 2 * cp equal chunks of every row); {hint}")
+    if cp > 1:
+        raise LoongError(f"{key}={seq_length} must divide by parallel.cp x parallel.tp = {cp * tp} under sequence "
+                         f"parallelism with context parallelism ({why}): each tensor-parallel rank holds an equal "
+                         f"slice of its CP rank's share of every row; {hint}")
+    raise LoongError(f"{key}={seq_length} must divide by parallel.tp={tp} under sequence parallelism ({why}): each "
+                     f"tensor-parallel rank holds an equal slice of every row; {hint}")
 
 
 def component_process_groups(pgs: Any, tp: int) -> Any:
