@@ -52,6 +52,9 @@ def relaunch(nproc: int, module: str, argv: Sequence[str], max_restarts: int = 0
     except SystemExit as exc:  # torchrun exits non-zero when a worker fails
         return int(exc.code or 0)
     except Exception as exc:  # ChildFailedError: workers already printed their error
+        first = exc.get_first_failure()[1].exitcode if hasattr(exc, "get_first_failure") else None
+        if first == 2:  # the workers refused the input (a config check): the command's answer to bad input
+            return 2
         print(f"error: {type(exc).__name__}: a worker failed", file=sys.stderr)
         return 1
     return 0
