@@ -22,7 +22,6 @@ import pytest
 import torch
 
 from loong.core.errors import LoongError
-from loong.core.host_sync import DeviceSyncRecorder
 from loong.embodied.policies.base import FLOW_TIME_KEY
 from loong.embodied.policies.groot_n1_6 import SPEC, GrootN16Policy, GrootN16Processor
 from loong.embodied.policies.groot_n1_6 import precompute as pre
@@ -31,6 +30,7 @@ from loong.embodied.task import SEED_KEY, VLATask
 
 sys.path.insert(0, str(Path(__file__).parent))  # the shared fixtures module beside this file
 import groot16_testing as gt  # noqa: E402
+from capture_testing import check_host_drawn_times, loss_and_grads, record_step  # noqa: E402
 
 CAMERAS = [gt.CAMERA, gt.WRIST]
 #: the tiny image size (a 4x4 patch grid = the position table) and one whose 6x4 grid makes the resize real
@@ -80,18 +80,6 @@ def _without_precomputed(inputs: dict) -> dict:
     return {k: v for k, v in inputs.items() if k not in pre.PRECOMPUTED_KEYS}
 
 
-def _record(policy, inputs: dict) -> list[str]:  # noqa: ANN001
-    mode = DeviceSyncRecorder(host_data=True)
-    with mode:
-        mode.active = True
-        loss, _ = policy(inputs)
-        loss.backward()
-        mode.active = False
-    policy.zero_grad(set_to_none=True)
-    assert loss.isfinite()
-    return mode.seen
-
-
 def _prepared(policy, processor, seed: int = 11) -> dict:  # noqa: ANN001
     batch = processor(_raw(policy.config))
     batch[SEED_KEY] = seed
@@ -106,14 +94,14 @@ def test_the_training_step_never_syncs_the_device_nor_copies_from_the_host(tiny)
     policy, processor = tiny
     inputs = _prepared(policy, processor)
     assert inputs[FLOW_TIME_KEY].shape == (3,) and inputs[FLOW_TIME_KEY].dtype == torch.float32
-    seen = _record(policy, inputs)
+    seen = record_step(policy, inputs)
     assert seen == [], "device syncs / host data in the step:\n" + "\n".join(sorted(set(seen)))
 
 
 def test_the_step_with_state_dropout_never_syncs_either() -> None:
     """N1.6's ``mask_token`` state dropout (off in the published config) draws and mixes on the device."""
     policy, processor = _setup(IMAGE_SIZES["tiny"], state_dropout_prob=0.5)
-    seen = _record(policy, _prepared(policy, processor))
+    seen = record_step(policy, _prepared(policy, processor))
     assert seen == [], "\n".join(sorted(set(seen)))
 
 
@@ -122,7 +110,7 @@ def test_the_recorder_sees_the_former_step(tiny) -> None:  # noqa: ANN001
     (the image tokens found and counted from ``input_ids``, the resize matrix made on the host, the Beta draw in
     the loss), which syncs and copies."""
     policy, processor = tiny
-    seen = _record(policy, _without_precomputed(processor(_raw(policy.config))))
+    seen = record_step(policy, _without_precomputed(processor(_raw(policy.config))))
     assert any("_local_scalar_dense" in s for s in seen)  # the image-token count read
     assert any("aten.lift_fresh" in s for s in seen)  # host tensors (the Beta distribution's, the resize matrix)
     assert any("aten.nonzero" in s for s in seen)  # the image tokens' positions
@@ -197,15 +185,6 @@ def former_backbone(backbone, input_ids: torch.Tensor, attention_mask: torch.Ten
                                    use_cache=False).last_hidden_state
 
 
-def _loss_and_grads(policy, inputs: dict, noise, time) -> tuple[torch.Tensor, dict]:  # noqa: ANN001
-    torch.manual_seed(5)  # any device-side draw (none at the tiny settings: no dropout, no state dropout)
-    loss, _ = policy(inputs, noise=noise, time=time)
-    loss.backward()
-    grads = {n: p.grad.clone() for n, p in policy.named_parameters() if p.grad is not None}
-    policy.zero_grad(set_to_none=True)
-    return loss.detach(), grads
-
-
 @pytest.mark.parametrize("padding", ["left", "one_right"])
 def test_loss_and_gradients_equal_the_former_forward_bit_for_bit(tiny, monkeypatch, padding: str) -> None:  # noqa: ANN001
     policy, processor = tiny
@@ -218,13 +197,13 @@ def test_loss_and_gradients_equal_the_former_forward_bit_for_bit(tiny, monkeypat
         assert set((index[index // s == 0] % s).tolist()) != set((index[index // s == 1] % s).tolist())
     noise = torch.randn(3, c.chunk_size, c.max_action_dim, generator=torch.Generator().manual_seed(2))
     time = policy.action_head.sample_time(3)
-    ours, ours_grads = _loss_and_grads(policy, inputs, noise, time)
-    direct, direct_grads = _loss_and_grads(policy, _without_precomputed(inputs), noise, time)
+    ours, ours_grads = loss_and_grads(policy, inputs, noise, time)
+    direct, direct_grads = loss_and_grads(policy, _without_precomputed(inputs), noise, time)
     with monkeypatch.context() as m:
         backbone = policy.backbone
         calls: list[int] = []
         m.setattr(backbone, "forward", lambda *a, **k: calls.append(1) or former_backbone(backbone, *a, **k))
-        former, former_grads = _loss_and_grads(policy, _without_precomputed(inputs), noise, time)
+        former, former_grads = loss_and_grads(policy, _without_precomputed(inputs), noise, time)
     assert calls == [1]
     assert torch.equal(ours, former) and torch.equal(direct, former)
     assert set(ours_grads) == set(former_grads) == set(direct_grads)
@@ -254,20 +233,7 @@ def test_predicted_actions_are_those_of_the_direct_path(tiny) -> None:  # noqa: 
 def test_host_drawn_times_equal_times_passed_explicitly(tiny) -> None:  # noqa: ANN001
     policy, processor = tiny
     inputs = processor(_raw(policy.config))
-    torch.manual_seed(3)
-    drawn = policy.host_draws(inputs)
-    torch.manual_seed(3)
-    assert torch.equal(drawn[FLOW_TIME_KEY], policy.action_head.sample_time(3))
-    assert FLOW_TIME_KEY not in inputs
-    noise = torch.randn(3, policy.config.chunk_size, policy.config.max_action_dim)
-    a, a_grads = _loss_and_grads(policy, drawn, noise, None)
-    b, b_grads = _loss_and_grads(policy, inputs, noise, drawn[FLOW_TIME_KEY])
-    assert torch.equal(a, b)
-    assert all(torch.equal(g, b_grads[n]) for n, g in a_grads.items())
-    bad = dict(drawn)
-    bad[FLOW_TIME_KEY] = torch.full((2,), 0.5)
-    with pytest.raises(LoongError, match="flow_time"):
-        policy(bad)
+    check_host_drawn_times(policy, inputs)
     with pytest.raises(LoongError, match="'action'"):
         policy.host_draws({k: v for k, v in inputs.items() if k != "action"})
 

@@ -21,7 +21,6 @@ import pytest
 import torch
 
 from loong.core.errors import LoongError
-from loong.core.host_sync import DeviceSyncRecorder
 from loong.embodied.policies.base import FLOW_TIME_KEY
 from loong.embodied.policies.groot_n1_7 import SPEC, GrootN17Processor
 from loong.embodied.policies.groot_n1_7 import precompute as pre
@@ -29,6 +28,7 @@ from loong.embodied.task import SEED_KEY, VLATask
 
 sys.path.insert(0, str(Path(__file__).parent))  # the shared fixtures module beside this file
 import groot_testing as gt  # noqa: E402
+from capture_testing import check_host_drawn_times, loss_and_grads, record_step  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -50,18 +50,6 @@ def _without_precomputed(inputs: dict) -> dict:
     return {k: v for k, v in inputs.items() if k not in pre.PRECOMPUTED_KEYS}
 
 
-def _record(policy, inputs: dict) -> list[str]:  # noqa: ANN001
-    mode = DeviceSyncRecorder(host_data=True)
-    with mode:
-        mode.active = True
-        loss, _ = policy(inputs)
-        loss.backward()
-        mode.active = False
-    policy.zero_grad(set_to_none=True)
-    assert loss.isfinite()
-    return mode.seen
-
-
 def test_groot_n1_7_is_declared_capture_safe():
     assert SPEC.policy_class.cuda_graph_safe
 
@@ -72,7 +60,7 @@ def test_the_training_step_never_syncs_the_device_nor_copies_from_the_host(tiny)
     batch[SEED_KEY] = 11
     inputs = VLATask.prepare(None, policy, batch)  # type: ignore[arg-type]  # prepare reads no task state
     assert inputs[FLOW_TIME_KEY].shape == (3,) and inputs[FLOW_TIME_KEY].dtype == torch.float32
-    seen = _record(policy, inputs)
+    seen = record_step(policy, inputs)
     assert seen == [], "device syncs / host data in the step:\n" + "\n".join(sorted(set(seen)))
 
 
@@ -80,7 +68,7 @@ def test_the_recorder_sees_the_former_step(tiny):
     """The control: the inputs without the precomputed tensors and the host-drawn times take the direct callers'
     path (indices computed from ``input_ids`` / ``image_grid_thw``, the Beta draw in the loss), which syncs."""
     policy, processor = tiny
-    seen = _record(policy, _without_precomputed(processor(_raw())))
+    seen = record_step(policy, _without_precomputed(processor(_raw())))
     assert any("_local_scalar_dense" in s for s in seen)  # .tolist() / int() reads
     assert any("aten.lift_fresh" in s for s in seen)  # the Beta distribution's host tensors
     assert any("aten.nonzero" in s for s in seen)  # the image tokens' positions
@@ -164,26 +152,17 @@ def former_vl_features(policy, inputs):  # noqa: ANN001, ANN201
     return hidden, attention_mask == 1, image_mask
 
 
-def _loss_and_grads(policy, inputs: dict, noise, time) -> tuple[torch.Tensor, dict]:  # noqa: ANN001
-    torch.manual_seed(5)  # the dropout and state-dropout draws
-    loss, _ = policy(inputs, noise=noise, time=time)
-    loss.backward()
-    grads = {n: p.grad.clone() for n, p in policy.named_parameters() if p.grad is not None}
-    policy.zero_grad(set_to_none=True)
-    return loss.detach(), grads
-
-
 def test_loss_and_gradients_equal_the_former_forward_bit_for_bit(tiny, monkeypatch):
     policy, processor = tiny
     inputs = processor(_raw())
     c = policy.config
     noise = torch.randn(3, c.chunk_size, c.max_action_dim, generator=torch.Generator().manual_seed(2))
     time = policy.action_head.sample_time(3)
-    ours, ours_grads = _loss_and_grads(policy, inputs, noise, time)
-    direct, direct_grads = _loss_and_grads(policy, _without_precomputed(inputs), noise, time)
+    ours, ours_grads = loss_and_grads(policy, inputs, noise, time)
+    direct, direct_grads = loss_and_grads(policy, _without_precomputed(inputs), noise, time)
     with monkeypatch.context() as m:
         m.setattr(policy, "vl_features", lambda x: former_vl_features(policy, x))
-        former, former_grads = _loss_and_grads(policy, _without_precomputed(inputs), noise, time)
+        former, former_grads = loss_and_grads(policy, _without_precomputed(inputs), noise, time)
     assert torch.equal(ours, former) and torch.equal(direct, former)
     assert set(ours_grads) == set(former_grads) == set(direct_grads)
     assert any(n.startswith("backbone.visual.") for n in ours_grads)
@@ -196,20 +175,7 @@ def test_loss_and_gradients_equal_the_former_forward_bit_for_bit(tiny, monkeypat
 def test_host_drawn_times_equal_times_passed_explicitly(tiny):
     policy, processor = tiny
     inputs = processor(_raw())
-    torch.manual_seed(3)
-    drawn = policy.host_draws(inputs)
-    torch.manual_seed(3)
-    assert torch.equal(drawn[FLOW_TIME_KEY], policy.action_head.sample_time(3))
-    assert FLOW_TIME_KEY not in inputs
-    noise = torch.randn(3, policy.config.chunk_size, policy.config.max_action_dim)
-    a, a_grads = _loss_and_grads(policy, drawn, noise, None)
-    b, b_grads = _loss_and_grads(policy, inputs, noise, drawn[FLOW_TIME_KEY])
-    assert torch.equal(a, b)
-    assert all(torch.equal(g, b_grads[n]) for n, g in a_grads.items())
-    bad = dict(drawn)
-    bad[FLOW_TIME_KEY] = torch.full((2,), 0.5)
-    with pytest.raises(LoongError, match="flow_time"):
-        policy(bad)
+    check_host_drawn_times(policy, inputs)
 
 
 def test_the_processor_refuses_what_the_step_no_longer_checks(tiny):
