@@ -17,7 +17,7 @@ from loong.llm.data.indexed import build_pretrain_datasets, indexed_blend, uses_
 from loong.llm.data.text import GlobalBatchSampler, make_microbatch, split_stream, tokenize_corpus
 from loong.llm.data.tokenizer import load_tokenizer, packaged_corpus_path
 from loong.llm.models.build import build_gpt_model, transformer_config
-from loong.llm.models.config import check_model_layout, training_flops_per_token
+from loong.llm.models.config import check_model_layout, runs_sequence_parallel, training_flops_per_token
 
 
 @TASKS.register("llm.pretrain")
@@ -61,7 +61,9 @@ class PretrainTask(MegatronTask):
         if m.is_moe and m.lora.rank > 0:
             raise LoongError("model.lora on a mixture-of-experts model is not supported yet (the experts' "
                              "linear layers are not wrapped); set model.lora.rank=0")
-        check_lora_config(m.lora, sequence_parallel=(p.sequence_parallel or m.is_moe) and p.tp > 1)
+        # MoE is refused above; MLA's KV down-projection runs sequence-parallel at tp > 1 whatever the key says
+        check_lora_config(m.lora, sequence_parallel=runs_sequence_parallel(m, p.tp, p.sequence_parallel),
+                          implied_by=None if p.sequence_parallel else "an MLA model")
 
     # --- model -----------------------------------------------------------------------------
     def model_config(self, dtype: torch.dtype) -> Any:
