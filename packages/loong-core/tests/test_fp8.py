@@ -158,6 +158,38 @@ def test_fp8_linear_is_exact_on_representable_operands(recipe) -> None:  # noqa:
 
 
 @pytest.mark.parametrize("recipe", [TENSORWISE, ROWWISE, BLOCKWISE], ids=lambda r: r.name)
+def test_a_token_count_off_the_kernel_multiple_is_padded_for_the_native_gemms(recipe, monkeypatch) -> None:  # noqa: ANN001
+    """37 tokens: the weight-gradient GEMM contracts over them, and ``_scaled_mm`` needs a multiple of 16 (128
+    with block scales; with block scales the forward and dgrad GEMMs also need their 37 rows a multiple of 16).
+    The native path pads those operands with zero tokens, so every GEMM it would send to the GPU passes the
+    layout rule, and the output and gradients are those of the unpadded emulation."""
+    import loong.core.precision.fp8_linear as fl
+
+    g = torch.Generator().manual_seed(7)
+    m, n, k = 37, 256, 384
+    x, w, dy = torch.randn(m, k, generator=g), 0.02 * torch.randn(n, k, generator=g), 1e-3 * torch.randn(m, n, generator=g)
+    ref = _run(recipe, x, w, dy)  # native=False: nothing padded
+    shapes: list[bool] = []
+    real_mm = fl.fp8_mm
+
+    def spy(a, b, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+        shapes.append(fl._native_shape_ok(a, b))
+        return real_mm(a, b, *args, **kwargs)
+
+    monkeypatch.setattr(fl, "fp8_mm", spy)
+    xp, wp = x.clone().requires_grad_(True), w.clone().requires_grad_(True)
+    y = fl.linear_fp8(xp, wp, None, recipe, native=True)
+    y.backward(dy)
+    assert len(shapes) == 3 and all(shapes), shapes
+    assert y.shape == (m, n) and _rel(y.detach(), ref[0]) < 1e-6
+    assert _rel(xp.grad, ref[1]) < 1e-6 and _rel(wp.grad, ref[2]) < 1e-6
+    dyq = quantize(dy, recipe.grad, recipe.grad_dtype) if recipe.grad == "tensor" else None
+    xq = quantize(x, recipe.activation, recipe.fwd_dtype) if recipe.activation == "tensor" else None
+    a, b = fl._wgrad_operands(dy, dyq, None if xq is not None else x, xq, recipe, pad=True)
+    assert a.data.shape[1] % 16 == 0 and b.data.shape[1] == a.data.shape[1] and fl._native_shape_ok(a, b)
+
+
+@pytest.mark.parametrize("recipe", [TENSORWISE, ROWWISE, BLOCKWISE], ids=lambda r: r.name)
 def test_error_bounds_gaussian(recipe) -> None:  # noqa: ANN001
     g = torch.Generator().manual_seed(5)
     m, n, k = 512, 384, 640

@@ -174,6 +174,44 @@ def _quantize_t(saved: Quantized | None, full: torch.Tensor | None, granularity:
     return quantize(full.t(), granularity, dtype)  # type: ignore[arg-type]
 
 
+def pad_rows(t: torch.Tensor, multiple: int) -> torch.Tensor:
+    """``t`` [M, C] with zero rows appended up to a multiple of ``multiple`` rows (fp8 data too: its zero is the
+    all-zero byte)."""
+    pad = -t.shape[0] % multiple
+    if not pad:
+        return t
+    if t.element_size() == 1 and t.is_floating_point():  # fp8: pad the bytes
+        return torch.nn.functional.pad(t.view(torch.uint8), (0, 0, 0, pad)).view(t.dtype)
+    return torch.nn.functional.pad(t, (0, 0, 0, pad))
+
+
+def _wgrad_operands(dy2: torch.Tensor, dyq: Quantized | None, x2: torch.Tensor | None, xq: Quantized | None,
+                    recipe: FP8Recipe, pad: bool) -> tuple[Quantized, Quantized]:
+    """``dYᵀ`` [N, M] and ``Xᵀ`` [K, M] quantised for the weight-gradient GEMM, whose contraction is the token
+    count M. ``_scaled_mm`` needs M a multiple of 16 (128 under block scales), which a variable number of tokens
+    per micro-batch often is not; with ``pad`` both are padded with zero tokens first. Zeros change no amax, so
+    every real element quantises to the same bits, and they add nothing to dW: the GEMM runs natively instead of
+    being emulated. ``dyq`` / ``xq``: the forward's (or dgrad's) quantisation when it is transposable, else None
+    (then quantised anew from ``dy2`` / ``x2``)."""
+    multiple = 128 if "1x128" in (recipe.grad, recipe.activation) else 16
+    m = multiple if pad else 1
+
+    def operand(q: Quantized | None, full: torch.Tensor | None, granularity: str, dtype: torch.dtype) -> Quantized:
+        if q is not None:
+            return Quantized(pad_rows(q.data, m), q.scale, q.granularity).t()
+        assert full is not None
+        return quantize(pad_rows(full, m).t(), granularity, dtype)  # type: ignore[arg-type]
+
+    return (operand(dyq, dy2, recipe.grad, recipe.grad_dtype),
+            operand(xq, x2, recipe.activation, recipe.fwd_dtype))
+
+
+def _a_rows(recipe: FP8Recipe, native: bool) -> int:
+    """What the token count of the forward and dgrad GEMMs' A operand must divide by for ``_scaled_mm``: 16 with
+    block scales, else anything (:func:`_native_shape_ok`); on the native path those operands are padded to it."""
+    return 16 if native and recipe.activation == "1x128" else 1
+
+
 class FP8LinearFunction(torch.autograd.Function):
     """Autograd op ``Y = X·Wᵀ + b`` with fp8 GEMMs; the TP communication of megatron's linear."""
 
@@ -183,9 +221,9 @@ class FP8LinearFunction(torch.autograd.Function):
         total = gather_sequence_parallel(x, comm.tp_group) if comm.sequence_parallel else x
         k = total.shape[-1]
         x2 = total.reshape(-1, k)
-        xq = quantize(x2, recipe.activation, recipe.fwd_dtype)
+        xq = quantize(pad_rows(x2, _a_rows(recipe, native)), recipe.activation, recipe.fwd_dtype)
         wq = quantize(weight, recipe.weight, recipe.fwd_dtype)
-        y = fp8_mm(xq, wq, x.dtype, native=native, fast_accum=recipe.fast_accum_forward)
+        y = fp8_mm(xq, wq, x.dtype, native=native, fast_accum=recipe.fast_accum_forward)[: x2.shape[0]]
         if bias is not None:
             y = y + bias
         need_dw = weight.requires_grad
@@ -208,21 +246,26 @@ class FP8LinearFunction(torch.autograd.Function):
         recipe, comm, native = ctx.recipe, ctx.comm, ctx.native
         need_dx, need_dw, need_db = ctx.needs_input_grad[:3]
         dy2 = dy.reshape(-1, dy.shape[-1])
-        dyq = quantize(dy2, recipe.grad, recipe.grad_dtype) if need_dx or transposable(recipe.grad) else None
+        rows = _a_rows(recipe, native)  # 1 for the transposable grad recipe, whose dyq the wgrad GEMM reuses
+        dyq = (quantize(pad_rows(dy2, rows), recipe.grad, recipe.grad_dtype)
+               if need_dx or transposable(recipe.grad) else None)
         dx = handle = None
         if need_dx:
             wq = Quantized(wq_data, wq_scale, recipe.weight) if wq_data is not None else None
             wq_t = _quantize_t(wq, weight, recipe.weight, recipe.fwd_dtype)  # Wᵀ [K, N]
             dx = fp8_mm(dyq, wq_t, dy.dtype, native=native)  # type: ignore[arg-type]
+            if dx.shape[0] != dy2.shape[0]:
+                dx = dx[: dy2.shape[0]].contiguous()
             dx_local, handle = reduce_dgrad(dx, comm)
         dw = None
         if need_dw:
-            dyq_t = _quantize_t(dyq if transposable(recipe.grad) else None, dy2, recipe.grad, recipe.grad_dtype)
             if xq_data is not None:
-                xq_t = Quantized(xq_data, xq_scale, recipe.activation).t()
+                xq, x2 = Quantized(xq_data, xq_scale, recipe.activation), None
             else:
                 total = gather_sequence_parallel(x, comm.tp_group) if comm.sequence_parallel else x
-                xq_t = quantize(total.reshape(-1, total.shape[-1]).t(), recipe.activation, recipe.fwd_dtype)
+                xq, x2 = None, total.reshape(-1, total.shape[-1])
+            dyq_t, xq_t = _wgrad_operands(dy2, dyq if transposable(recipe.grad) else None, x2, xq, recipe,
+                                          pad=native)
             dw = fp8_mm(dyq_t, xq_t, weight.dtype, native=native)  # [N, K]
             if comm.gradient_accumulation_fusion and hasattr(weight, "main_grad"):
                 weight.main_grad.add_(dw)
