@@ -14,6 +14,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from loong.core.errors import LoongError
+
+
+def check_embodiment_ids(emb: torch.Tensor, num_embodiments: int, where: str, key: str = "embodiment_id") -> None:
+    """Refuse embodiment ids outside ``[0, num_embodiments)`` (a LoongError naming ``key``). It reads the values, so
+    the processors call it, not the step: on a GPU an id out of range indexes the per-embodiment weights with a
+    device assert."""
+    if emb.numel() and (int(emb.max()) >= num_embodiments or int(emb.min()) < 0):
+        raise LoongError(f"{where}: {key} must be in [0, {num_embodiments}), got {emb.tolist()}")
+
 
 class CategorySpecificLinear(nn.Module):
     """``y = x @ W[id] + b[id]``: ``W`` ``[num_categories, in, out]``, ``b`` ``[num_categories, out]``."""

@@ -13,11 +13,14 @@ Sampling integrates ``x <- x + v_pred / n`` from noise at ``t = k / n``, ``k = 0
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 import torch
 import torch.nn.functional as F
 from torch.distributions import Beta
+
+from loong.core.errors import LoongError
+from loong.embodied.policies.base import FLOW_TIME_KEY
 
 
 def sample_time(batch_size: int, *, alpha: float = 1.5, beta: float = 1.0, noise_s: float = 0.999,
@@ -31,6 +34,29 @@ def sample_time(batch_size: int, *, alpha: float = 1.5, beta: float = 1.0, noise
                 validate_args=False)
     u = dist.sample([batch_size]).to(device, dtype=dtype)
     return (1 - u) * noise_s
+
+
+def with_host_times(inputs: Mapping[str, torch.Tensor], draw: Callable[[int], torch.Tensor],
+                    where: str) -> dict[str, torch.Tensor]:
+    """A GR00T policy's ``host_draws``: ``inputs`` with ``[b]`` flow times under ``FLOW_TIME_KEY``, from ``draw``
+    (the head's :func:`sample_time`, the host generator's Beta draws), which the loss then takes; the noise and the
+    state dropout stay on the device. On a GPU that is GR00T's stream of draws (lerobot draws the Beta times on the
+    host and the rest on the device, from two generators); on a CPU, where one generator makes every draw, the
+    times now come first."""
+    if "action" not in inputs:
+        raise LoongError(f"{where} host_draws: model inputs lack 'action' (made by the processor with train=True)")
+    out = dict(inputs)
+    out[FLOW_TIME_KEY] = draw(inputs["action"].shape[0])
+    return out
+
+
+def host_times(inputs: Mapping[str, torch.Tensor], where: str) -> torch.Tensor | None:
+    """The flow times :func:`with_host_times` put in ``inputs`` (None: none there), checked to be one a sample."""
+    time = inputs.get(FLOW_TIME_KEY)
+    if time is not None and tuple(time.shape) != tuple(inputs["action"].shape[:1]):
+        raise LoongError(f"{where} loss: flow times ('{FLOW_TIME_KEY}') of shape {list(time.shape)}; "
+                         f"expected [{inputs['action'].shape[0]}] (one per sample)")
+    return time
 
 
 def discretize_time(t: torch.Tensor, num_buckets: int) -> torch.Tensor:

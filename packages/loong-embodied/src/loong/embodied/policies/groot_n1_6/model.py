@@ -32,8 +32,9 @@ import torch
 from torch import nn
 
 from loong.core.errors import LoongError
-from loong.embodied.policies.base import FLOW_TIME_KEY, VLAPolicy
+from loong.embodied.policies.base import VLAPolicy
 from loong.embodied.policies.groot import ActionHeadConfig, DiTConfig, GrootActionHead, SelfAttentionConfig
+from loong.embodied.policies.groot.flow import host_times, with_host_times
 from loong.embodied.policies.groot_n1_6 import precompute as pre
 from loong.embodied.policies.groot_n1_6.config import GrootN16Config
 from loong.embodied.policies.groot_n1_6.eagle import EagleBackbone
@@ -93,15 +94,9 @@ class GrootN16Policy(VLAPolicy):
         return tokens, vl_mask, input_ids == self.config.image_token_id
 
     def host_draws(self, inputs: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """``inputs`` with the flow times (``FLOW_TIME_KEY``, ``[b]`` fp32) drawn from the head's Beta distribution
-        on the host generator, which :meth:`loss` then takes; the noise (and a state dropout) it draws on the
-        device. On a CPU, where one generator makes all the draws, the times now come first."""
-        if "action" not in inputs:
-            raise LoongError("groot_n1_6 host_draws: model inputs lack 'action' (made by the processor with "
-                             "train=True)")
-        out = dict(inputs)
-        out[FLOW_TIME_KEY] = self.action_head.sample_time(inputs["action"].shape[0])
-        return out
+        """``inputs`` with the Beta flow times drawn on the host (:func:`~loong.embodied.policies.groot.flow.
+        with_host_times`), which :meth:`loss` then takes."""
+        return with_host_times(inputs, self.action_head.sample_time, "groot_n1_6")
 
     def loss(self, inputs: Mapping[str, torch.Tensor], *, noise: torch.Tensor | None = None,
              time: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -111,10 +106,7 @@ class GrootN16Policy(VLAPolicy):
             if key not in inputs:
                 raise LoongError(f"groot_n1_6.loss: model inputs lack {key!r} (made by the processor with train=True)")
         if time is None:
-            time = inputs.get(FLOW_TIME_KEY)
-            if time is not None and tuple(time.shape) != tuple(inputs["action"].shape[:1]):
-                raise LoongError(f"groot_n1_6.loss: flow times ('{FLOW_TIME_KEY}') of shape {list(time.shape)}; "
-                                 f"expected [{inputs['action'].shape[0]}] (one per sample)")
+            time = host_times(inputs, "groot_n1_6")
         tokens, vl_mask, image_mask = self._vl(inputs)
         # the robot side arrives in fp32 (the task does not cast inputs); the head computes in the backbone's dtype
         dtype = tokens.dtype

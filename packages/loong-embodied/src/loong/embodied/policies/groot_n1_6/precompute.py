@@ -83,11 +83,6 @@ def precompute(input_ids: torch.Tensor, config: GrootN16Config, cameras: int, *,
     return {IMAGE_INDEX_KEY: index, POS_WEIGHT_KEY: pos_weights}
 
 
-def check_embodiment_ids(emb: torch.Tensor, num_embodiments: int, where: str, key: str = "embodiment_id") -> None:
-    """Refuse embodiment ids outside ``[0, num_embodiments)`` (a LoongError naming ``key``; reads the values, so
-    the processor calls it, not the step: a GPU would index the projectors out of range with a device assert)."""
-    if emb.numel() and (int(emb.max()) >= num_embodiments or int(emb.min()) < 0):
-        raise LoongError(f"{where}: {key} must be in [0, {num_embodiments}), got {emb.tolist()}")
 
 
 def check_image_index(index: torch.Tensor, tokens: int, where: str = "groot_n1_6 inputs") -> None:
@@ -123,6 +118,6 @@ def resized_positions(table: torch.Tensor, pos_weights: torch.Tensor, images: in
     return (weights @ table.float()).to(table.dtype)
 
 
-__all__ = ["IMAGE_INDEX_KEY", "POS_WEIGHT_KEY", "PRECOMPUTED_KEYS", "causal_padding_mask", "check_embodiment_ids",
+__all__ = ["IMAGE_INDEX_KEY", "POS_WEIGHT_KEY", "PRECOMPUTED_KEYS", "causal_padding_mask",
            "check_image_index", "check_pos_weights", "image_token_index", "patch_grid", "position_resize_weights", "precompute",
            "resized_positions"]

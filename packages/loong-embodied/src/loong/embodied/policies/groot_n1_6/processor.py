@@ -49,6 +49,7 @@ from loong.embodied.data.normalize import (
     write_sources,
 )
 from loong.embodied.policies.base import PolicyConfig, PolicyProcessor
+from loong.embodied.policies.groot.embodiment import check_embodiment_ids
 from loong.embodied.policies.groot_n1_6 import precompute as pre
 from loong.embodied.policies.groot_n1_6.config import TINY_TOKENIZER, GrootN16Config
 from loong.embodied.policies.word_tokenizer import reach_vocabulary, word_level_backend
@@ -268,7 +269,7 @@ class GrootN16Processor(PolicyProcessor):
         else:
             out["embodiment_id"] = torch.full((b,), c.embodiment_id, dtype=torch.long)
         where = "groot_n1_6 processor"
-        pre.check_embodiment_ids(out["embodiment_id"], c.num_embodiments, where)
+        check_embodiment_ids(out["embodiment_id"], c.num_embodiments, where)
         # a clone per batch: the batches a DataLoader worker sends must not share storage
         out.update(pre.precompute(out["input_ids"], c, len(self.camera_keys), where=where,
                                   pos_weights=self.pos_weights.clone()))

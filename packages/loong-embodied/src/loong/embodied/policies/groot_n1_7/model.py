@@ -31,8 +31,10 @@ import torch
 from torch import nn
 
 from loong.core.errors import LoongError
-from loong.embodied.policies.base import FLOW_TIME_KEY, VLAPolicy
+from loong.embodied.policies.base import VLAPolicy
 from loong.embodied.policies.groot import GrootActionHead
+from loong.embodied.policies.groot.embodiment import check_embodiment_ids
+from loong.embodied.policies.groot.flow import host_times, with_host_times
 from loong.embodied.policies.groot_n1_7 import precompute as pre
 from loong.embodied.policies.groot_n1_7.config import GrootN17Config
 from loong.embodied.policies.groot_n1_7.vision_attention import use_image_batched_attention
@@ -228,21 +230,13 @@ class GrootN17Policy(VLAPolicy):
         if emb is None:
             return torch.full((batch,), self.config.embodiment_id, dtype=torch.long, device=device)
         if not all(k in inputs for k in pre.PRECOMPUTED_KEYS):  # the processor's inputs: it checked the range
-            pre.check_embodiment_ids(emb, self.config.num_embodiments, "groot_n1_7 inputs")
+            check_embodiment_ids(emb, self.config.num_embodiments, "groot_n1_7 inputs")
         return emb.long()
 
     def host_draws(self, inputs: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """``inputs`` with the flow times (``FLOW_TIME_KEY``, ``[b]`` fp32): the Beta draws of the host generator
-        (:meth:`~loong.embodied.policies.groot.GrootActionHead.sample_time`), which :meth:`loss` then takes; the
-        state dropout and the noise it draws on the device.
-
-        On a GPU this is GR00T's stream of draws (lerobot draws the Beta times on the host and the rest on the
-        device, from two generators); on a CPU, where one generator makes all three, the times now come first."""
-        if "action" not in inputs:
-            raise LoongError("groot_n1_7 host_draws: missing 'action' (made by GrootN17Processor with train=True)")
-        out = dict(inputs)
-        out[FLOW_TIME_KEY] = self.action_head.sample_time(inputs["action"].shape[0])
-        return out
+        """``inputs`` with the Beta flow times drawn on the host (:func:`~loong.embodied.policies.groot.flow.
+        with_host_times`), which :meth:`loss` then takes."""
+        return with_host_times(inputs, self.action_head.sample_time, "groot_n1_7")
 
     def loss(self, inputs: Mapping[str, torch.Tensor], *, noise: torch.Tensor | None = None,
              time: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -253,10 +247,7 @@ class GrootN17Policy(VLAPolicy):
             if key not in inputs:
                 raise LoongError(f"groot_n1_7 inputs: missing {key!r} (made by GrootN17Processor with train=True)")
         if time is None:
-            time = inputs.get(FLOW_TIME_KEY)
-            if time is not None and tuple(time.shape) != tuple(inputs["action"].shape[:1]):
-                raise LoongError(f"groot_n1_7 loss: flow times ('{FLOW_TIME_KEY}') of shape {list(time.shape)}; "
-                                 f"expected [{inputs['action'].shape[0]}] (one per sample)")
+            time = host_times(inputs, "groot_n1_7")
         feats, vl_mask, image_mask = self.vl_features(inputs)
         dtype = feats.dtype
         emb = self._embodiment(inputs, feats.shape[0], feats.device)

@@ -167,10 +167,6 @@ def check_one_image_size(image_grid_thw: torch.Tensor, where: str) -> None:
                          "GR00T N1.7's inputs resize every camera to image_target_size")
 
 
-def check_embodiment_ids(emb: torch.Tensor, num_embodiments: int, where: str, key: str = "embodiment_id") -> None:
-    """Refuse embodiment ids outside ``[0, num_embodiments)`` (a LoongError naming ``key``; reads the values)."""
-    if emb.numel() and (int(emb.max()) >= num_embodiments or int(emb.min()) < 0):
-        raise LoongError(f"{where}: {key} must be in [0, {num_embodiments}), got {emb.tolist()}")
 
 
 def max_image_patches(pixel_values: torch.Tensor, image_grid_thw: torch.Tensor,
@@ -183,5 +179,5 @@ def max_image_patches(pixel_values: torch.Tensor, image_grid_thw: torch.Tensor,
 
 
 __all__ = ["CU_SEQLENS_KEY", "IMAGE_INDEX_KEY", "INTERP_INDEX_KEY", "INTERP_WEIGHT_KEY", "MROPE_KEY",
-           "PRECOMPUTED_KEYS", "VISION_POSITION_KEY", "BackboneGeometry", "check_embodiment_ids", "check_one_image_size",
+           "PRECOMPUTED_KEYS", "VISION_POSITION_KEY", "BackboneGeometry", "check_one_image_size",
            "max_image_patches", "mrope_position_ids", "precompute", "token_types"]

@@ -40,6 +40,7 @@ from loong.embodied.data.normalize import (
     write_sources,
 )
 from loong.embodied.policies.base import PolicyConfig, PolicyProcessor
+from loong.embodied.policies.groot.embodiment import check_embodiment_ids
 from loong.embodied.policies.groot_n1_7 import precompute as pre
 from loong.embodied.policies.groot_n1_7.config import GrootN17Config
 
@@ -258,7 +259,7 @@ class GrootN17Processor(PolicyProcessor):
         state = min_max_normalize(state, lo, hi, clip=c.clip_outliers)
         out["state"] = torch.nn.functional.pad(state, (0, c.max_state_dim - self.state_dim)).unsqueeze(1)
         out["embodiment_id"] = self.embodiment_ids(batch, index, b)
-        pre.check_embodiment_ids(out["embodiment_id"], c.num_embodiments, where)
+        check_embodiment_ids(out["embodiment_id"], c.num_embodiments, where)
         if train or self.action_key in batch:
             out.update(self.actions(batch, b, index))
         return out
