@@ -148,8 +148,6 @@ def test_bad_lora_configs_fail_clearly(tiny_llama_hf: Path) -> None:
         check_lora_config(LoraConfig(rank=4, dropout=1.0))
     with pytest.raises(LoongError, match="sequence_parallel"):
         check_lora_config(LoraConfig(rank=4), sequence_parallel=True)
-    with pytest.raises(LoongError, match="not supported for an MLA model, which runs sequence-parallel"):
-        check_lora_config(LoraConfig(rank=4), sequence_parallel=True, implied_by="an MLA model")
     with _world() as world:
         model = _model(world, model_config_from_hf(tiny_llama_hf))
         with pytest.raises(LoongError, match="match no layer.*linear_qkv"):

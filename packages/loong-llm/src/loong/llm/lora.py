@@ -63,10 +63,8 @@ def lora_scale(cfg: LoraConfig) -> float:
     return cfg.alpha / cfg.rank
 
 
-def check_lora_config(cfg: LoraConfig, sequence_parallel: bool = False, implied_by: str | None = None) -> None:
-    """Errors a user can fix in ``model.lora`` (raised before anything heavy starts). ``sequence_parallel``: the
-    model runs megatron's sequence parallelism; ``implied_by``: the model kind that turns it on at ``tp > 1``
-    without ``parallel.sequence_parallel`` (e.g. ``"an MLA model"``), None when the key asked for it."""
+def check_lora_config(cfg: LoraConfig, sequence_parallel: bool = False) -> None:
+    """Errors a user can fix in ``model.lora`` (raised before anything heavy starts)."""
     if cfg.rank < 0:
         raise LoongError(f"model.lora.rank={cfg.rank} must be >= 0 (0 disables LoRA)")
     if cfg.rank == 0:
@@ -75,12 +73,9 @@ def check_lora_config(cfg: LoraConfig, sequence_parallel: bool = False, implied_
         raise LoongError(f"model.lora.dropout={cfg.dropout} must be in [0, 1)")
     if not cfg.targets or not all(isinstance(t, str) and t for t in cfg.targets):
         raise LoongError(f"model.lora.targets={cfg.targets!r} must be a non-empty list of module names")
-    if sequence_parallel and implied_by is None:
+    if sequence_parallel:
         raise LoongError("model.lora with parallel.sequence_parallel=true is not supported; "
                          "set parallel.sequence_parallel=false")
-    if sequence_parallel:
-        raise LoongError(f"model.lora at parallel.tp > 1 is not supported for {implied_by}, which runs "
-                         "sequence-parallel there; set parallel.tp=1 or model.lora.rank=0")
 
 
 class _LoraMixin:

@@ -61,9 +61,8 @@ class PretrainTask(MegatronTask):
         if m.is_moe and m.lora.rank > 0:
             raise LoongError("model.lora on a mixture-of-experts model is not supported yet (the experts' "
                              "linear layers are not wrapped); set model.lora.rank=0")
-        # MoE is refused above; MLA's KV down-projection runs sequence-parallel at tp > 1 whatever the key says
-        check_lora_config(m.lora, sequence_parallel=runs_sequence_parallel(m, p.tp, p.sequence_parallel),
-                          implied_by=None if p.sequence_parallel else "an MLA model")
+        # the one rule of when the model runs sequence-parallel (MoE, refused above, and MLA imply it at tp > 1)
+        check_lora_config(m.lora, sequence_parallel=runs_sequence_parallel(m, p.tp, p.sequence_parallel))
 
     # --- model -----------------------------------------------------------------------------
     def model_config(self, dtype: torch.dtype) -> Any:
