@@ -130,9 +130,11 @@ def check_precision(precision: PrecisionConfig, accelerator: Accelerator, dtype:
 
 def warn_if_emulated(recipe: FP8Recipe, device: torch.device) -> None:
     """Warn where blockwise GEMMs will be emulated on this GPU. Asking also runs the one-time blockwise probe
-    (which reads a result back to the host) here, at conversion, rather than inside a step a CUDA graph captures."""
+    (which reads a result back to the host) here, at conversion, rather than inside a step a CUDA graph captures;
+    other recipes never probe."""
+    if device.type != "cuda" or recipe.name != "blockwise":  # only blockwise GEMMs are probed
+        return
     support = native_support(device)
-    if device.type == "cuda" and recipe.name == "blockwise" and not (support["blockwise_fwd"] and
-                                                                     support["blockwise_wgrad"]):
+    if not (support["blockwise_fwd"] and support["blockwise_wgrad"]):
         warnings.warn(f"fp8 blockwise: this GPU/torch has no native kernel for some of its GEMMs ({support}); "
                       "those are emulated (dequantise + bf16 matmul), slower than bf16", stacklevel=3)
