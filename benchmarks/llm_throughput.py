@@ -29,7 +29,8 @@ Rows:
   stands in for the three nightly-only names torchtitan's dense one-GPU path touches (listed in the row's JSON).
   If the run with CUDA graphs fails, it is run again without them (the first error kept in the row).
 - ``loong_bf16``: ``loong-llm train`` (megatron-core, loong-kernels' fused kernels where available);
-  ``loong_fp8_<recipe>``: the same with ``precision.fp8=<recipe>`` (docs/fp8.md).
+  ``loong_fp8_<recipe>``: the same with ``precision.fp8=<recipe>`` (docs/fp8.md); ``loong_fp8_tensorwise_output``:
+  tensorwise with ``precision.fp8_output_layer=true`` (the output layer's logits and input-gradient GEMMs in FP8).
 
 Columns: tokens/s and MFU (medians after ``--warmup`` steps; MFU against the GPU's dense bf16 peak,
 989 TFLOP/s on an H200), peak device memory, and the training loss at the last step (plus the mean of the
@@ -84,6 +85,7 @@ ROWS: dict[str, str] = {
     "torchtitan_compat": "torchtitan 0.3.0 (compat)",
     "loong_bf16": "Loong bf16",
     **{f"loong_fp8_{r}": f"Loong FP8 {r}" for r in FP8_RECIPES},
+    "loong_fp8_tensorwise_output": "Loong FP8 tensorwise + output layer",
 }
 SETTINGS = ("preset", "seq", "mbs", "gbs", "steps", "lr", "min_lr", "lr_warmup", "data", "seed")
 BASELINES = {"vs HF": ("hf_eager",), "vs Liger": ("hf_liger",), "vs titan": ("torchtitan", "torchtitan_compat"),
@@ -318,7 +320,9 @@ def _run_row(name: str, args: argparse.Namespace, tmp: Path) -> dict:
         return _titan(args, compat=name == "torchtitan_compat", tmp=tmp)
     overrides = ["model.fused_kernels=auto", f"train.seed={args.seed}",
                  *([f"model.num_layers={args.num_layers}"] if args.num_layers else [])]
-    if name.startswith("loong_fp8_"):
+    if name == "loong_fp8_tensorwise_output":
+        overrides += ["precision.fp8=tensorwise", "precision.fp8_output_layer=true"]
+    elif name.startswith("loong_fp8_"):
         overrides.append(f"precision.fp8={name.removeprefix('loong_fp8_')}")
     if args.profile:
         overrides.append(f"train.profile_steps=[{args.profile[0]},{args.profile[1]}]")

@@ -28,8 +28,8 @@ Rows (:data:`ROWS`; ``--rows`` picks):
   ``train.cuda_graphs=true`` as well (each micro-batch's forward + backward replayed as one CUDA graph);
   ``pi05/loong_graphs_mb16`` with ``train.micro_batch_size=16`` too (micro-batch 32 did not fit with graphs), and
   ``groot_n1_6/loong_graphs`` (not measured yet);
-- ``pi05/loong_fp8``: the Loong row with ``precision.fp8=tensorwise`` (its linear layers' GEMMs in FP8; not
-  measured yet);
+- ``pi05/loong_fp8``: the Loong row with ``precision.fp8=tensorwise`` (its linear layers' GEMMs in FP8), and
+  ``pi05/loong_graphs_mb16_fp8``: the graphs row at micro-batch 16 with FP8 linears as well;
 - ``groot_n1_6/loong``: ``loong-embodied train model.policy=groot_n1_6 model.preset=groot_n1_6`` (no baseline).
 
 Columns (medians over the steps after ``--warmup``): seconds per step (lerobot: its ``updt_s + data_s``, the
@@ -136,6 +136,9 @@ ROWS: dict[str, Row] = {
     # FP8 linears (docs/fp8.md, "On the fsdp engine"); the CPU accelerator has no fp8 capability: refused there
     "pi05/loong_fp8": Row("loong-embodied train, bf16, FP8 linears (tensorwise)",
                           _loong("pi05", "pi05", "precision.fp8=tensorwise"), smoke=_NO_FP8_ON_CPU),
+    "pi05/loong_graphs_mb16_fp8": Row("loong-embodied train, bf16, CUDA graphs (no FSDP), micro-batch 16, FP8",
+                                      _loong("pi05", "pi05", *GRAPHS, "train.micro_batch_size=16",
+                                             "precision.fp8=tensorwise"), smoke=_NO_GRAPHS_ON_CPU),
     "groot_n1_7/lerobot": Row("lerobot-train (its defaults)", _lerobot("groot"), groot_base=True),
     "groot_n1_7/loong": Row("loong-embodied train, bf16", _loong("groot_n1_7", "groot_n1_7")),
     "groot_n1_7/loong_ddp": Row("loong-embodied train, bf16, no FSDP", _loong("groot_n1_7", "groot_n1_7", *DDP)),

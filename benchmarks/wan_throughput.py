@@ -13,7 +13,8 @@ in its own process (clean memory statistics). Rows:
   FSDP2 over one rank, bf16 compute with fp32 master weights, Loong's own Wan modules) on its synthetic moving-shapes
   latents of the same shape, with ``model.recompute`` = none, selective (each block's MLP) or full;
   ``loong_selective_compile`` / ``loong_none_compile`` add ``train.compile=true`` (inductor then fuses the norms and
-  RoPE instead of loong-kernels);
+  RoPE instead of loong-kernels); ``loong_none_compile_fp8`` / ``loong_selective_compile_fp8`` add
+  ``precision.fp8=tensorwise`` to those (the linear layers' GEMMs in FP8; attention stays bf16);
 - ``loong_packed``: mixed resolutions and durations packed into micro-batches of at most ``--pack-tokens`` video
   tokens (``data.sizes``, ``data.pack_tokens``: varlen attention, each clip its own RoPE grid and timestep),
   ``--packed-gbs`` clips a step.
@@ -54,10 +55,15 @@ ROWS: dict[str, str] = {
     "loong_selective_compile": "Loong, selective recompute + compile",
     "loong_none_compile": "Loong, no recompute + compile",
     "loong_packed": "Loong, packed mixed resolutions",
+    "loong_none_compile_fp8": "Loong, no recompute + compile + FP8 linears",
+    "loong_selective_compile_fp8": "Loong, selective recompute + compile + FP8",
 }
-LOONG_ROWS = {"loong_none": ("none", False), "loong_selective": ("selective", False), "loong_full": ("full", False),
-              "loong_selective_compile": ("selective", True), "loong_none_compile": ("none", True),
-              "loong_packed": ("selective", False)}
+#: a Loong row's (model.recompute, train.compile, precision.fp8)
+LOONG_ROWS = {"loong_none": ("none", False, "off"), "loong_selective": ("selective", False, "off"),
+              "loong_full": ("full", False, "off"), "loong_selective_compile": ("selective", True, "off"),
+              "loong_none_compile": ("none", True, "off"), "loong_packed": ("selective", False, "off"),
+              "loong_none_compile_fp8": ("none", True, "tensorwise"),
+              "loong_selective_compile_fp8": ("selective", True, "tensorwise")}
 
 
 def _sizes(text: list[str]) -> list[list[int]]:
@@ -131,7 +137,7 @@ def _loong_worker(args: argparse.Namespace) -> None:
     from loong.diffusion.task import clip_tokens
 
     name = args.loong_worker
-    recompute, compile_ = LOONG_ROWS[name]
+    recompute, compile_, fp8 = LOONG_ROWS[name]
     gpu = torch.cuda.is_available()
     packed = name == "loong_packed"
     data = {"frames": args.frames, "height": args.height, "width": args.width, "text_len": args.text_len,
@@ -148,6 +154,7 @@ def _loong_worker(args: argparse.Namespace) -> None:
                   "compile": compile_, "log_interval": 1, "eval_interval": 0, "eval_iters": 0, "save_final": False,
                   "progress": False, "resume": "none"},
         "parallel": {"fsdp": "full"},
+        "precision": {"fp8": fp8},
     })
     result = run(cfg)
     recs = [json.loads(x) for x in (result.run_dir / "metrics.jsonl").read_text().splitlines()]

@@ -155,6 +155,14 @@ def test_adaptive_is_refused_with_the_allowed_values() -> None:
         FSDPEngine.check_config(_toy(precision={"fp8": "adaptive"}, train={"precision": "bf16"}))
 
 
+def test_the_output_layer_switch_is_refused_on_fsdp() -> None:
+    from loong.core.engines.fsdp.engine import FSDPEngine
+
+    with pytest.raises(LoongError, match=r"precision.fp8_output_layer=true: a megatron engine option"):
+        FSDPEngine.check_config(_toy(precision={"fp8": "tensorwise", "fp8_output_layer": True},
+                                     train={"precision": "bf16"}))
+
+
 # --- the engine's own path, in one process --------------------------------------------------------------------
 def _toy(**sections):  # noqa: ANN003, ANN202
     from toy_tasks import toy_config

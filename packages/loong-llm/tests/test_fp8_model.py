@@ -212,6 +212,8 @@ def test_precision_config_keys_and_errors() -> None:
         ("precision.fp8=rowwse",): "did you mean 'rowwise'",
         ("precision.fp8_adaptive_threshold=0",): "precision.fp8_adaptive_threshold=0.0: must be > 0",
         ("precision.fp9=tensorwise",): "did you mean 'precision.fp8'",
+        ("precision.fp8_output_layer=true",): "precision.fp8_output_layer=true adds the output layer to an FP8 run, "
+                                              "but precision.fp8=off",
     }
     for overrides, message in errors.items():
         with pytest.raises(LoongError, match=message):
@@ -268,9 +270,9 @@ def test_tensor_parallel_fp8_linears(tmp_path: Path) -> None:
         assert max(errors.values()) < 1e-5, (case, errors)
 
 
-def test_megatron_engine_runs_fp8_end_to_end(capsys: pytest.CaptureFixture[str]) -> None:
-    """The engine's hook, on a CPU accelerator that claims the ``fp8`` capability (a test double: its GEMMs
-    emulate): the start-up check, the plan log, conversion under Float16Module and DDP, bf16 training."""
+def _engine_steps(overrides: list[str], capabilities: set[str], steps: int = 6) -> tuple[list[float], object]:
+    """``steps`` megatron-engine steps of the tiny pretraining run on a CPU accelerator that claims
+    ``capabilities`` besides its own (a test double: its FP8 GEMMs emulate); (losses, the unwrapped model)."""
     from loong.core.accelerators.cpu import CPUAccelerator
     from loong.core.config import compose_config
     from loong.core.engines.megatron.engine import MegatronEngine
@@ -279,27 +281,49 @@ def test_megatron_engine_runs_fp8_end_to_end(capsys: pytest.CaptureFixture[str])
     from loong.llm.pretrain import PretrainTask
     from loong.llm.schema import LLMRunConfig
 
-    class FP8OnCPU(CPUAccelerator):
+    class Claiming(CPUAccelerator):
         def capabilities(self) -> set[str]:
-            return super().capabilities() | {"fp8"}
+            return super().capabilities() | capabilities
 
-    acc = FP8OnCPU()
+    acc = Claiming()
     cfg, _ = compose_config("loong.llm.configs", "pretrain", [
-        "precision.fp8=rowwise", "train.precision=bf16", "train.seq_length=32", "train.global_batch_size=4",
-        "train.micro_batch_size=2", "train.lr=1e-2", "train.warmup_steps=0", "model.fused_kernels=off"], LLMRunConfig)
+        "train.precision=bf16", "train.seq_length=32", "train.global_batch_size=4", "train.micro_batch_size=2",
+        "train.lr=1e-2", "train.warmup_steps=0", *overrides], LLMRunConfig)
     with acc.activate():
         layout = init_distributed(acc, cfg.parallel)
         try:
             task = PretrainTask(cfg, acc, layout)
             task.setup_data()
             engine = MegatronEngine(task, cfg, acc, layout)
-            losses = [engine.train_step(step).loss for step in range(6)]
-            model = unwrap(engine.model_chunks[0])
-            qkv = model.decoder.layers[0].self_attention.linear_qkv
+            losses = [engine.train_step(step).loss for step in range(steps)]
+            return losses, unwrap(engine.model_chunks[0])
         finally:
             shutdown_distributed()
+
+
+def test_megatron_engine_runs_fp8_end_to_end(capsys: pytest.CaptureFixture[str]) -> None:
+    """The engine's hook: the start-up check, the plan log, conversion under Float16Module and DDP, bf16
+    training."""
+    losses, model = _engine_steps(["precision.fp8=rowwise", "model.fused_kernels=off"], {"fp8"})
+    qkv = model.decoder.layers[0].self_attention.linear_qkv
     log = capsys.readouterr().out
     assert "fp8: 16 of 17 linear layers run in fp8" in log  # tiny preset: 4 layers x 4, tied output layer
     assert "decoder.layers.*.mlp.linear_fc1 x4 [64x768x128]: rowwise (precision.fp8=rowwise)" in log
     assert type(qkv).__name__ == "FP8ColumnParallelLinear" and qkv.weight.dtype == torch.bfloat16
     assert qkv.weight.main_grad.abs().sum() > 0 and losses[-1] < losses[0], losses
+    assert not model.fp8_output_layer and "output layer: logits" not in log
+
+
+def test_megatron_engine_runs_the_output_layer_in_fp8(capsys: pytest.CaptureFixture[str],
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """``precision.fp8_output_layer``: the engine switches the fused loss to FP8 (its Triton kernels under the
+    interpreter, ``torch._scaled_mm`` on the CPU) and the run trains; without the fused loss it is refused."""
+    pytest.importorskip("triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    fp8 = ["precision.fp8=tensorwise", "precision.fp8_output_layer=true"]
+    losses, model = _engine_steps([*fp8, "model.fused_kernels=on", "model.num_layers=1"], {"fp8", "triton"}, steps=3)
+    assert model.fp8_output_layer and losses[-1] < losses[0], losses
+    assert ("fp8: output layer: logits and input-gradient GEMMs in fp8 (tensorwise, precision.fp8_output_layer); "
+            "its weight gradient in bf16") in capsys.readouterr().out
+    with pytest.raises(LoongError, match="precision.fp8_output_layer=true: it needs the fused linear . cross-entropy"):
+        _engine_steps([*fp8, "model.fused_kernels=off"], {"fp8"}, steps=1)

@@ -25,6 +25,14 @@ weights), and the weight gradient by the common value when every counted token h
 mean or sum over them: one host sync to check). Otherwise it recomputes the weight gradient with the
 per-token weights (one more logits GEMM per chunk), so the result is exact either way.
 
+``fp8=True`` runs two of each chunk's three GEMMs in FP8 (tensorwise scales, the recipe of ``precision.fp8=
+tensorwise``): the logits from e4m3 hidden states and weight, each quantised once per call, and the hidden gradient
+from the e5m2-quantised logit gradient (one scale per chunk) and the e4m3 weight, transposed once. The weight
+gradient stays a bf16 GEMM accumulating in fp32: ``torch._scaled_mm`` cannot accumulate into an fp32 buffer, and
+its transposed fp8 operands would cost two more passes per chunk. For the output layer of large vocabularies, where
+those GEMMs are a fifth of an FP8 step (docs/performance.md); off by default, as every FP8 recipe of the field
+keeps the output layer in high precision.
+
 Vocabulary-parallel (tensor-parallel) logits are not handled: the log-sum-exp would need an all-reduce
 across ranks. Use it with the output layer unsharded (TP = 1) or fall back to the reference.
 """
@@ -37,6 +45,7 @@ import torch
 import torch.nn.functional as F
 
 from loong.kernels._dispatch import Backend, cdiv, check_float, kernel, use_triton
+from loong.kernels.fp8 import quantize_tensorwise, transpose_2d
 from loong.kernels.gemm import mm_accumulate
 
 try:
@@ -111,28 +120,60 @@ def _chunk_rows(n_tokens: int, vocab: int, itemsize: int, chunk_size: int | None
     return min(rows, max(n_tokens, 1))
 
 
+class _FP8Operands:
+    """The e4m3 operands of an FP8 chunk walk, quantised once per call: hidden states ``[n, H]``, the weight
+    ``[V, H]`` and (for the hidden gradient) its transpose ``[H, V]``, each with its tensorwise scale."""
+
+    def __init__(self, h2: torch.Tensor, weight: torch.Tensor, need_dh: bool) -> None:
+        self.hq, self.hs = quantize_tensorwise(h2, backend="triton")
+        self.wq, self.ws = quantize_tensorwise(weight, backend="triton")
+        # a transposed tensorwise-quantised tensor is the quantised transpose, bit for bit
+        self.wqt = transpose_2d(self.wq, backend="triton") if need_dh else None
+
+    def logits(self, start: int, end: int, out: torch.Tensor) -> None:
+        torch._scaled_mm(self.hq[start:end], self.wq.t(), self.hs, self.ws, out_dtype=out.dtype, out=out)
+
+    def hidden_grad(self, dlogits: torch.Tensor, out: torch.Tensor) -> None:
+        gq, gs = quantize_tensorwise(dlogits, fp8_dtype=torch.float8_e5m2, backend="triton")
+        torch._scaled_mm(gq, self.wqt.t(), gs, self.ws, out_dtype=out.dtype, out=out)
+
+
+def fp8_unsupported(hidden_size: int, vocab: int) -> str | None:
+    """Why ``fp8=True`` cannot take an output layer of ``vocab x hidden_size`` (None: it can): ``torch._scaled_mm``
+    needs both GEMMs' contraction and output dimensions to be multiples of 16."""
+    bad = [f"{name} {v}" for name, v in (("hidden size", hidden_size), ("vocabulary", vocab)) if v % 16]
+    return f"{' and '.join(bad)} not a multiple of 16 (torch._scaled_mm)" if bad else None
+
+
 def _chunks(h2: torch.Tensor, weight: torch.Tensor, lab: torch.Tensor, losses: torch.Tensor, scale: torch.Tensor,
             ignore_index: int, z_loss: float, chunk_size: int | None, dh: torch.Tensor | None,
-            dw: torch.Tensor | None, write_grad: bool, per_row: bool = False) -> None:
+            dw: torch.Tensor | None, write_grad: bool, per_row: bool = False, fp8: bool = False) -> None:
     """The chunk walk: logits GEMM, the row kernel (loss, and the logit gradient in place), then the hidden
     gradient into ``dh`` and the weight gradient accumulated into ``dw`` (either may be None).
 
-    ``scale`` is ``[1]``, one factor for every row, or with ``per_row`` ``[n]``, one per row.
+    ``scale`` is ``[1]``, one factor for every row, or with ``per_row`` ``[n]``, one per row. ``fp8``: the logits
+    and hidden-gradient GEMMs in FP8 (:class:`_FP8Operands`).
     """
     n, vocab = h2.shape[0], weight.shape[0]
     rows = _chunk_rows(n, vocab, h2.element_size(), chunk_size)
     logits_buf = torch.empty((min(rows, n), vocab), dtype=h2.dtype, device=h2.device) if n else None
     warps = 8 if h2.is_cuda else 4
+    fp8_ops = _FP8Operands(h2, weight, dh is not None) if fp8 and n else None
     for i, start in enumerate(range(0, n, rows)):
         end = min(start + rows, n)
         hc = h2[start:end]
         lg = logits_buf[: end - start]
-        torch.mm(hc, weight.t(), out=lg)
+        if fp8_ops is not None:
+            fp8_ops.logits(start, end, lg)
+        else:
+            torch.mm(hc, weight.t(), out=lg)
         sc = scale[start:end] if per_row else scale
         _ce_rows[(end - start,)](lg, lab[start:end], losses[start:end], sc, 1 if per_row else 0, vocab,
                                  lg.stride(0), ignore_index, z_loss, WRITE_GRAD=write_grad, BLOCK_V=_BLOCK_V,
                                  num_warps=warps)
-        if dh is not None:
+        if dh is not None and fp8_ops is not None:
+            fp8_ops.hidden_grad(lg, dh[start:end])
+        elif dh is not None:
             torch.mm(lg, weight, out=dh[start:end])
         if dw is not None:
             mm_accumulate(dw, lg.t(), hc, beta=0.0 if i == 0 else 1.0)
@@ -152,7 +193,7 @@ def _scaled_weight_grad(dw: torch.Tensor, g: torch.Tensor, wdtype: torch.dtype) 
 class _FusedLinearCEFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, labels, ignore_index, z_loss, reduction, chunk_size, fp32_accumulate, need_dh,
-                need_dw):
+                need_dw, fp8):
         h2 = hidden.reshape(-1, hidden.shape[-1])
         if h2.stride(-1) != 1:
             h2 = h2.contiguous()
@@ -174,13 +215,15 @@ class _FusedLinearCEFn(torch.autograd.Function):
         dh = torch.empty_like(h2) if need_dh else None
         acc_dtype = torch.float32 if fp32_accumulate else weight.dtype
         dw = torch.empty((vocab, hid), dtype=acc_dtype, device=dev) if need_dw else None
-        _chunks(h2, weight, lab, losses, scale, ignore_index, z_loss, chunk_size, dh, dw, need_dh or need_dw)
+        _chunks(h2, weight, lab, losses, scale, ignore_index, z_loss, chunk_size, dh, dw, need_dh or need_dw,
+                fp8=fp8)
         # the buffers, not saved tensors: backward scales them in place and hands them out as the gradients
         ctx.grads = (dh, dw)
         ctx.shape, ctx.wdtype, ctx.reduction = hidden.shape, weight.dtype, reduction
         if reduction == "none":
             # for the weight gradient under unequal per-token weights (recomputed in backward)
-            ctx.recompute = (h2, weight, lab, valid, ignore_index, z_loss, chunk_size, acc_dtype) if need_dw else None
+            ctx.recompute = (h2, weight, lab, valid, ignore_index, z_loss, chunk_size, acc_dtype, fp8) if need_dw \
+                else None
             return losses.view(labels.shape)
         return (losses.sum() * scale[0]) if n else torch.zeros((), dtype=torch.float32, device=dev)
 
@@ -193,7 +236,7 @@ class _FusedLinearCEFn(torch.autograd.Function):
         ctx.grads = None
         if ctx.reduction == "none":
             grad_h, grad_w = _FusedLinearCEFn._per_token_backward(ctx, dh, dw, g)
-            return grad_h, grad_w, None, None, None, None, None, None, None, None
+            return grad_h, grad_w, None, None, None, None, None, None, None, None, None
         g = g.to(torch.float32).reshape(1)
         grad_h = grad_w = None
         block = 4096
@@ -204,7 +247,7 @@ class _FusedLinearCEFn(torch.autograd.Function):
         if dw is not None:
             # fp32 accumulator -> a new tensor in the weight's dtype; same dtype -> scaled in place
             grad_w = _scaled_weight_grad(dw, g, ctx.wdtype)
-        return grad_h, grad_w, None, None, None, None, None, None, None, None
+        return grad_h, grad_w, None, None, None, None, None, None, None, None, None
 
     @staticmethod
     def _per_token_backward(ctx, dh, dw, g):
@@ -216,7 +259,7 @@ class _FusedLinearCEFn(torch.autograd.Function):
                 _scale_rows[(cdiv(dh.numel(), block),)](dh, g, dh.numel(), dh.shape[1], BLOCK=block, num_warps=8)
             grad_h = dh.view(ctx.shape)
         if dw is not None:
-            h2, weight, lab, valid, ignore_index, z_loss, chunk_size, acc_dtype = ctx.recompute
+            h2, weight, lab, valid, ignore_index, z_loss, chunk_size, acc_dtype, fp8 = ctx.recompute
             ctx.recompute = None
             inf = torch.full((), float("inf"), device=g.device)
             hi = torch.where(valid, g, -inf).amax() if g.numel() else -inf
@@ -228,7 +271,9 @@ class _FusedLinearCEFn(torch.autograd.Function):
             else:
                 # unequal weights (e.g. a loss mask the labels do not carry): redo the chunk walk with them
                 scratch = torch.empty(h2.shape[0], dtype=torch.float32, device=h2.device)
-                _chunks(h2, weight, lab, scratch, g, ignore_index, z_loss, chunk_size, None, dw, True, per_row=True)
+                # the same logits as forward's (fp8 included): the weight gradient of the loss that was computed
+                _chunks(h2, weight, lab, scratch, g, ignore_index, z_loss, chunk_size, None, dw, True, per_row=True,
+                        fp8=fp8)
                 grad_w = dw if dw.dtype == ctx.wdtype else dw.to(ctx.wdtype)
         return grad_h, grad_w
 
@@ -285,7 +330,7 @@ def _why_not(hidden: torch.Tensor, weight: torch.Tensor) -> str | None:
 def fused_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
                                ignore_index: int = -100, z_loss: float = 0.0, reduction: Reduction = "mean",
                                chunk_size: int | None = None, fp32_accumulate: bool = True, *,
-                               backend: Backend = "auto") -> torch.Tensor:
+                               backend: Backend = "auto", fp8: bool = False) -> torch.Tensor:
     """Cross-entropy of ``hidden @ weight.T`` against ``labels``, never holding all the logits.
 
     ``loss = reduce_i [lse_i - logit_i[label_i] + z_loss * lse_i^2]`` over tokens whose label is not
@@ -305,6 +350,10 @@ def fused_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, label
         fp32_accumulate: accumulate the weight gradient across chunks in fp32 (``4 V H`` bytes, then
             cast); False accumulates in the weight's dtype (``2 V H`` bytes for bf16, one rounding per chunk).
         backend: ``"auto"``, ``"triton"`` or ``"reference"``.
+        fp8: the logits and hidden-gradient GEMMs in FP8 with tensorwise scales (the module docstring); needs the
+            Triton path and ``torch._scaled_mm`` (a GPU of compute capability >= 8.9, or the CPU under
+            ``TRITON_INTERPRET=1``) and hidden size and vocabulary multiples of 16 (:func:`fp8_unsupported`):
+            a :class:`ValueError` otherwise, never a silent bf16 run.
 
     Returns:
         A 0-dim fp32 loss (``[...]`` per-token losses with ``"none"``). Backward (once) gives ``hidden`` and
@@ -315,9 +364,17 @@ def fused_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, label
         tokens) only scale the forward's.
     """
     _check(hidden, weight, labels, reduction)
-    if not use_triton(backend, "fused_linear_cross_entropy", (hidden, weight, labels), _why_not(hidden, weight)):
+    why = _why_not(hidden, weight)
+    if fp8:
+        why = why or fp8_unsupported(weight.shape[1], weight.shape[0])
+        if why is not None or backend == "reference" or not use_triton(backend, "fused_linear_cross_entropy",
+                                                                      (hidden, weight, labels), why):
+            raise ValueError(f"fused_linear_cross_entropy(fp8=True) needs its Triton path: "
+                             f"{why or 'the Triton kernels cannot run here (a GPU, or TRITON_INTERPRET=1 on the CPU)'}")
+    elif not use_triton(backend, "fused_linear_cross_entropy", (hidden, weight, labels), why):
         return fused_linear_cross_entropy_reference(hidden, weight, labels, ignore_index, z_loss, reduction,
                                                     chunk_size, fp32_accumulate)
     grad = torch.is_grad_enabled()
     return _FusedLinearCEFn.apply(hidden, weight, labels, int(ignore_index), float(z_loss), reduction, chunk_size,
-                                  bool(fp32_accumulate), grad and hidden.requires_grad, grad and weight.requires_grad)
+                                  bool(fp32_accumulate), grad and hidden.requires_grad, grad and weight.requires_grad,
+                                  bool(fp8))

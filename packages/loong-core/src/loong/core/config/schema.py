@@ -203,7 +203,9 @@ class PrecisionConfig:
     quantisation included, is at least ``fp8_adaptive_threshold``). ``fp8_probe``: on a GPU, time the
     model's GEMM shapes once and cache them (``~/.cache/loong/fp8/<gpu>.json``); ``fp8_table``: a JSON speedup
     table to use instead. ``fp8_exclude``: layer-name globs kept in high precision (the output layer
-    always is). See docs/fp8.md.
+    stays bf16 unless ``fp8_output_layer``). ``fp8_output_layer`` (megatron engine, language-model loss): the
+    output layer's logits and input-gradient GEMMs in FP8 too, with tensorwise scales, inside the fused linear +
+    cross-entropy. See docs/fp8.md.
     """
 
     fp8: Literal["off", "tensorwise", "rowwise", "blockwise", "adaptive"] = "off"
@@ -212,6 +214,12 @@ class PrecisionConfig:
     fp8_probe: bool = True
     fp8_table: ExistingFile | None = None
     fp8_exclude: list[NonEmptyStr] = field(default_factory=list)
+    fp8_output_layer: bool = False
+
+    def validate(self, path: str) -> None:
+        if self.fp8_output_layer and self.fp8 == "off":
+            raise LoongError(f"{path}.fp8_output_layer=true adds the output layer to an FP8 run, but {path}.fp8=off; "
+                             f"set {path}.fp8 (e.g. {path}.fp8=tensorwise) or {path}.fp8_output_layer=false")
 
 
 @dataclass

@@ -139,15 +139,17 @@ class FusedSwiGLU(torch.nn.Module):
         return swiglu(gate_up, backend=self.backend)
 
 
-def fused_lm_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, backend: str) -> torch.Tensor:
+def fused_lm_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, backend: str,
+                  fp8: bool = False) -> torch.Tensor:
     """Per-token losses ``[b, s]`` of the output layer ``hidden [s, b, H] @ weight.T`` against ``labels [b, s]``.
 
     What megatron-core's ``output_layer`` + ``compute_language_model_loss`` return at TP = 1 (fp32 per-token
     cross-entropy, so the task's ``losses * loss_mask`` is unchanged), without the ``[s, b, V]`` logits and
     their fp32 copy. Equal per-token weights from the loss function (a mean over the tokens) keep the
-    kernel's single logits GEMM; unequal ones cost one more in backward (still exact).
+    kernel's single logits GEMM; unequal ones cost one more in backward (still exact). ``fp8``: the logits and
+    hidden-gradient GEMMs in FP8 (``precision.fp8_output_layer``).
     """
     from loong.kernels import fused_linear_cross_entropy
 
-    losses = fused_linear_cross_entropy(hidden, weight, labels.t(), reduction="none", backend=backend)
+    losses = fused_linear_cross_entropy(hidden, weight, labels.t(), reduction="none", backend=backend, fp8=fp8)
     return losses.t().contiguous()

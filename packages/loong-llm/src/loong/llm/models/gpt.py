@@ -17,7 +17,9 @@ output layer's GEMM and the cross-entropy run chunked in loong-kernels (:func:`~
 returning the same fp32 per-token losses ``[b, s]``. With multi-token prediction each MTP
 layer's loss is fused the same way (megatron's ``process_mtp_loss`` would compute its logits). Everything else
 (logits without labels, inference, packed sequences with MTP, a LoRA-wrapped or sequence-parallel output layer,
-MuP scaling) takes megatron's path.
+MuP scaling) takes megatron's path. ``precision.fp8_output_layer`` (:meth:`LoongGPTModel.enable_fp8_output_layer`)
+runs the fused loss's logits and hidden-gradient GEMMs in FP8; it needs the fused loss, and the paths above that
+leave it run in bf16.
 
 Multi-token prediction under context parallelism always takes this module's MTP loss (fused or not): megatron's
 ``process_mtp_loss`` divides each CP rank's MTP loss by that rank's own token count, which differs between ranks
@@ -35,6 +37,7 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.tensor_parallel import ColumnParallelLinear
 
 from loong.core.engines.megatron.context_parallel import sum_over_cp
+from loong.core.errors import LoongError
 from loong.llm.models.fused import FusedKernels, fused_lm_loss
 
 
@@ -67,6 +70,36 @@ class LoongGPTModel(GPTModel):
     def __init__(self, *args: Any, fused_kernels: FusedKernels | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.fused_kernels = fused_kernels or FusedKernels()
+        self.fp8_output_layer = False
+
+    def enable_fp8_output_layer(self) -> bool:
+        """``precision.fp8_output_layer``: the fused loss's logits and hidden-gradient GEMMs in FP8 (tensorwise;
+        loong-kernels' ``fused_linear_cross_entropy(fp8=True)``). False on a chunk without the output layer (not
+        the last pipeline stage); a :class:`LoongError` naming the reason where the fused loss cannot take it."""
+        if not self.post_process:
+            return False
+        from loong.kernels.cross_entropy import fp8_unsupported
+
+        fused, out = self.fused_kernels, self.output_layer
+        reasons = []
+        if not fused.cross_entropy:
+            reasons.append("it needs the fused linear + cross-entropy, which this model does not take "
+                           "(model.fused_kernels=off, tensor parallelism, or an accelerator without Triton)")
+        elif fused.backend == "reference":
+            reasons.append("the fused loss runs its plain-PyTorch reference here, which has no FP8 path")
+        if type(out) is not ColumnParallelLinear or out.sequence_parallel:
+            reasons.append(f"the output layer is a {type(out).__name__}"
+                           f"{' (sequence parallel)' if out.sequence_parallel else ''}, not megatron's plain "
+                           "ColumnParallelLinear")
+        vocab, hidden = self._output_weight().shape
+        why = fp8_unsupported(hidden, vocab)
+        if why:
+            reasons.append(why)
+        if reasons:
+            raise LoongError(f"precision.fp8_output_layer=true: {'; '.join(reasons)}. Set "
+                             "precision.fp8_output_layer=false")
+        self.fp8_output_layer = True
+        return True
 
     def _preprocess(
         self,
@@ -148,7 +181,7 @@ class LoongGPTModel(GPTModel):
         if detach_weight:
             weight = weight.detach()
         if fused:
-            return fused_lm_loss(hidden, weight, labels, self.fused_kernels.backend)
+            return fused_lm_loss(hidden, weight, labels, self.fused_kernels.backend, fp8=self.fp8_output_layer)
         logits, _ = self.output_layer(hidden, weight=weight, runtime_gather_output=kw.get("runtime_gather_output"))
         return self.compute_language_model_loss(labels, self._scale_logits(logits))
 

@@ -101,6 +101,10 @@ class VisionLanguageModel(MegatronModule):
         """Pipeline stages after the first take the previous stage's hidden states (megatron's schedules)."""
         self.foundation.set_input_tensor(input_tensor)
 
+    def enable_fp8_output_layer(self) -> bool:
+        """``precision.fp8_output_layer``: the foundation's (loong-llm's ``LoongGPTModel.enable_fp8_output_layer``)."""
+        return self.foundation.enable_fp8_output_layer()
+
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (),
                            metadata: dict | None = None) -> dict:
         """megatron's sharded state: a tensor-parallel encoder's shards (``encoder.parallel.tp > 1``) as slices of

@@ -78,6 +78,10 @@ class FSDPEngine(Engine):
                                  "parallel.fsdp=full|hybrid and offloads with parallel.fsdp_cpu_offload=true")
         if cfg.precision.fp8 == "adaptive":
             raise LoongError(adaptive_refusal())
+        if cfg.precision.fp8_output_layer:
+            raise LoongError("precision.fp8_output_layer=true: a megatron engine option (the output layer inside the "
+                             "language-model loss of loong-llm and loong-vlm); on the fsdp engine every eligible "
+                             "nn.Linear follows precision.fp8 already, so set precision.fp8_output_layer=false")
         check_parallel(cfg.parallel)
         recompute_mode(cfg)
         if cfg.train.cuda_graphs:

@@ -151,6 +151,19 @@ def _shared_table(shapes: set[tuple[int, int, int]], recipe: FP8Recipe, device: 
     return SpeedupTable.from_json(box[0])
 
 
+def _enable_fp8_output_layer(models: list[torch.nn.Module], say: Callable[[str], None]) -> None:
+    """``precision.fp8_output_layer``: each chunk's own hook (loong-llm's ``LoongGPTModel.enable_fp8_output_layer``,
+    which the VLM foundations inherit) switches the fused loss to FP8, or says why it cannot."""
+    hooks = [getattr(m, "enable_fp8_output_layer", None) for m in models]
+    if any(hook is None for hook in hooks):
+        names = sorted({type(m).__name__ for m, hook in zip(models, hooks, strict=True) if hook is None})
+        raise LoongError(f"precision.fp8_output_layer=true: {', '.join(names)} has no FP8 output layer (loong-llm's "
+                         "GPT models and loong-vlm's foundations have); set precision.fp8_output_layer=false")
+    if [hook() for hook in hooks].count(True):
+        say("fp8: output layer: logits and input-gradient GEMMs in fp8 (tensorwise, precision.fp8_output_layer); "
+            "its weight gradient in bf16")
+
+
 def apply_fp8(chunks: list[torch.nn.Module], cfg: Any, accelerator: Accelerator, local_rank: int = 0,
               echo: Callable[[str], None] | None = print) -> list[LayerPlan]:
     """The engine's hook: convert ``chunks`` (before DDP) as ``cfg.precision`` says and log the plan.
@@ -163,6 +176,8 @@ def apply_fp8(chunks: list[torch.nn.Module], cfg: Any, accelerator: Accelerator,
         return []
     say = echo or (lambda _line: None)
     models = [unwrap(c) for c in chunks]
+    if precision.fp8_output_layer:
+        _enable_fp8_output_layer(models, say)
     if any(is_te_linear(m) for model in models for m in model.modules()):
         say(_enable_te_fp8(models, precision))
         return []
