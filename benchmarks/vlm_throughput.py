@@ -48,6 +48,12 @@ Rows (:data:`ROWS`):
   Liger's kernels are Triton GPU kernels with no CPU implementation (and Triton's CPU interpreter rejects its
   RMSNorm kernel), so on a machine without CUDA this row reports itself skipped.
 
+- ``loong_bf16``: ``loong-vlm train`` of the same shape (megatron engine, bf16, loong-kernels' fused kernels);
+  ``loong_selective`` adds ``foundation.recompute=selective``; ``loong_lean`` that and
+  ``train.grad_reduce_in_bf16=true`` (bf16 gradient buffers: 2 bytes a parameter less; "lean" in the table); ``loong_fp8`` /
+  ``loong_fp8_lean``: ``precision.fp8=tensorwise`` (the foundation's megatron linears; the ViT's and projector's
+  ``nn.Linear`` stay bf16) without / with the lean settings.
+
 Columns (medians over the steps after ``--warmup``; a step's wall time ends with the loss's host sync):
 seconds per step, tokens/s (``gbs·seq``: text and image tokens), ViT patches/s, MFU, peak device memory
 (``torch.cuda.max_memory_allocated``), the loss at the last step, and tokens/s and memory against ``hf_eager``
@@ -550,6 +556,22 @@ def _loong_selective(shape: Shape, args: argparse.Namespace, tmp: Path) -> dict:
     return _loong_row(shape, args, tmp, ["foundation.recompute=selective"])
 
 
+#: the memory-lean overrides: megatron's selective recompute in the foundation, gradients kept in bf16
+LEAN = ["foundation.recompute=selective", "train.grad_reduce_in_bf16=true"]
+
+
+def _loong_lean(shape: Shape, args: argparse.Namespace, tmp: Path) -> dict:
+    return _loong_row(shape, args, tmp, LEAN)
+
+
+def _loong_fp8(shape: Shape, args: argparse.Namespace, tmp: Path) -> dict:
+    return _loong_row(shape, args, tmp, ["precision.fp8=tensorwise"])
+
+
+def _loong_fp8_lean(shape: Shape, args: argparse.Namespace, tmp: Path) -> dict:
+    return _loong_row(shape, args, tmp, ["precision.fp8=tensorwise", *LEAN])
+
+
 @dataclass(frozen=True)
 class Row:
     """A benchmark row: its table label, the function that runs it (in the row's own process; returns
@@ -560,12 +582,17 @@ class Row:
     cpu: str | None = None
 
 
+_BF16_ONLY = "train.grad_reduce_in_bf16 needs bf16 training (rows without CUDA run in fp32)"
+_NO_FP8 = "FP8 matrix products need a GPU of compute capability >= 8.9"
 ROWS: dict[str, Row] = {
     "hf_eager": Row("HF eager (SDPA, bf16 autocast)", _hf_eager),
     "hf_liger": Row("HF + Liger kernels", _hf_liger,
                     cpu="Liger's kernels are Triton GPU kernels (no CPU implementation)"),
     "loong_bf16": Row("Loong bf16 (loong-vlm train)", _loong_bf16),
     "loong_selective": Row("Loong bf16, foundation.recompute=selective", _loong_selective),
+    "loong_lean": Row("Loong bf16 lean", _loong_lean, cpu=_BF16_ONLY),
+    "loong_fp8": Row("Loong FP8 tensorwise", _loong_fp8, cpu=_NO_FP8),
+    "loong_fp8_lean": Row("Loong FP8 tensorwise lean", _loong_fp8_lean, cpu=_NO_FP8),
 }
 
 
