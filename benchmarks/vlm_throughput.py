@@ -53,6 +53,11 @@ Rows (:data:`ROWS`):
   ``train.grad_reduce_in_bf16=true`` (bf16 gradient buffers: 2 bytes a parameter less; "lean" in the table); ``loong_fp8`` /
   ``loong_fp8_lean``: ``precision.fp8=tensorwise`` (the foundation's megatron linears; the ViT's and projector's
   ``nn.Linear`` stay bf16) without / with the lean settings.
+- ``loong_packed``: dynamic resolution and packing: each sample's image side in turn from ``--packed-sizes``
+  (224/448/672: 64/256/576 Qwen2.5-VL image tokens), its answer 16 words to half a sequence, several samples
+  packed into each ``--seq`` sequence (varlen attention per sample, M-RoPE restarting); its tokens/s counts the
+  real tokens (``gbs·seq`` times the packing efficiency the run's data summary prints); no MFU or patches/s
+  (the images of a step vary).
 
 Columns (medians over the steps after ``--warmup``; a step's wall time ends with the loss's host sync):
 seconds per step, tokens/s (``gbs·seq``: text and image tokens), ViT patches/s, MFU, peak device memory
@@ -109,8 +114,11 @@ wall times, losses and peak memory; then add the entry ``"my_row": Row("label", 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
+import io
 import json
+import re
 import statistics
 import sys
 import tempfile
@@ -118,7 +126,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from _env import host, run_child, versions  # benchmarks/_env.py (run as scripts from the repo root)
 
@@ -208,9 +216,10 @@ SHAPES: dict[str, dict[str, Shape]] = {
             mean=(0.5, 0.5, 0.5), std=(0.5, 0.5, 0.5), text_vocab=250, tokens=_TINY_IDS),
     },
 }
-PRESET_DEFAULTS = {"published": {"seq": 4096, "image_size": 448, "steps": 14, "warmup": 4},
-                   "tiny": {"seq": 256, "image_size": 224, "steps": 3, "warmup": 1}}
-SETTINGS = ("preset", "seq", "mbs", "gbs", "steps", "warmup", "image_size", "lr", "seed")
+PRESET_DEFAULTS = {"published": {"seq": 4096, "image_size": 448, "steps": 14, "warmup": 4,
+                                  "packed_sizes": [224, 448, 672]},
+                   "tiny": {"seq": 256, "image_size": 224, "steps": 3, "warmup": 1, "packed_sizes": [112, 224]}}
+SETTINGS = ("preset", "seq", "mbs", "gbs", "steps", "warmup", "image_size", "lr", "seed", "packed_sizes")
 
 
 # ---------------------------------------------------------------------------------------------------- data
@@ -472,12 +481,17 @@ _WORDS = ("red", "circle", "blue", "square", "a", "the", "and", "of", "picture",
           "green", "triangle", "yellow", "small", "large", "above", "below", "image")
 
 
-def write_loong_data(shape: Shape, args: argparse.Namespace, folder: Path) -> tuple[Path, Path]:
+def write_loong_data(shape: Shape, args: argparse.Namespace, folder: Path, packed: bool = False) -> tuple[Path, Path]:
     """The rows' data as ``loong-vlm train`` reads it: a conversations JSONL whose sample ``g`` holds the same
     ``--image-size``² noise image as :func:`sample` (saved as PNG) and an assistant answer of random words filling
     the sequence, and a tiny processor folder with the shape's patch geometry that resizes nothing (min = max
     pixels = the image's area). The text tokens differ from the HF rows' (loong-vlm tokenises text; the ids do
-    not change the cost); the image tokens, their count and the sequence length are the same."""
+    not change the cost); the image tokens, their count and the sequence length are the same.
+
+    ``packed``: the packed row's data instead: each sample's image side taken in turn from ``--packed-sizes``, rounded
+    down to the family's patch x merge (dynamic resolution: the processor keeps each size, min / max pixels the
+    smallest / largest) and its answer from 16 words
+    to half the sequence, enough samples for ``--steps`` steps of packed sequences (a quarter more)."""
     import random
 
     import torch
@@ -486,11 +500,12 @@ def write_loong_data(shape: Shape, args: argparse.Namespace, folder: Path) -> tu
     from loong.vlm.data.processors import build_tiny_processor
 
     v = shape.vision
-    area = args.image_size ** 2
+    factor = v["patch_size"] * v["spatial_merge_size"]  # the packed sizes rounded down to the family's grid
+    sizes = sorted({max(x // factor, 1) * factor for x in args.packed_sizes}) if packed else [args.image_size]
     family = "qwen2_5_vl" if shape.family == "qwen2_5_vl" else "qwen3_vl"
     proc_dir = build_tiny_processor(folder / "processor", family, patch_size=v["patch_size"],
                                     merge_size=v["spatial_merge_size"], temporal_patch_size=v["temporal_patch_size"],
-                                    min_pixels=area, max_pixels=area)
+                                    min_pixels=min(sizes) ** 2, max_pixels=max(sizes) ** 2)
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(proc_dir))
@@ -498,13 +513,19 @@ def write_loong_data(shape: Shape, args: argparse.Namespace, folder: Path) -> tu
     probe = " ".join(rng.choice(_WORDS) for _ in range(2000))
     per_word = len(tok(probe)["input_ids"]) / 2000
     words = int((args.seq - shape.image_tokens(args.image_size) - 48) / per_word)  # the template's tokens: < 48
+    n = args.steps * args.gbs
+    if packed:
+        words = int(args.seq / 2 / per_word)
+        mean_tokens = 48 + sum(shape.image_tokens(x) for x in sizes) / len(sizes) + per_word * (16 + words) / 2
+        n = int(1.25 * args.steps * args.gbs * args.seq / mean_tokens) + 1
     lines = []
-    for g in range(args.steps * args.gbs):
+    for g in range(n):
         gen = torch.Generator().manual_seed(args.seed * 1_000_003 + g)  # sample()'s first draw: the image
-        image = torch.randint(0, 256, (3, args.image_size, args.image_size), generator=gen, dtype=torch.uint8)
+        side = sizes[g % len(sizes)] if packed else args.image_size
+        image = torch.randint(0, 256, (3, side, side), generator=gen, dtype=torch.uint8)
         path = folder / f"img_{g:05d}.png"
         Image.fromarray(image.permute(1, 2, 0).numpy()).save(path)
-        answer = " ".join(rng.choice(_WORDS) for _ in range(words))
+        answer = " ".join(rng.choice(_WORDS) for _ in range(rng.randint(16, words) if packed else words))
         lines.append(json.dumps({"messages": [
             {"role": "user", "content": [{"type": "image", "image": path.name}, {"type": "text", "text": "Describe."}]},
             {"role": "assistant", "content": answer}]}))
@@ -513,7 +534,7 @@ def write_loong_data(shape: Shape, args: argparse.Namespace, folder: Path) -> tu
     return data, proc_dir
 
 
-def _loong_row(shape: Shape, args: argparse.Namespace, tmp: Path, extra: list[str]) -> dict:
+def _loong_row(shape: Shape, args: argparse.Namespace, tmp: Path, extra: list[str], packed: bool = False) -> dict:
     """``loong-vlm train`` (the real walk: megatron engine, one rank, bf16) on :func:`write_loong_data`'s samples,
     one sample a sequence (``data.packing=false``) in order (samples are drawn by the seeded sampler: the same set,
     another order), constant learning rate; each step's wall time from its metrics record."""
@@ -523,10 +544,10 @@ def _loong_row(shape: Shape, args: argparse.Namespace, tmp: Path, extra: list[st
     from loong.vlm.cli import CONFIG_MODULE, CONFIG_NAME
     from loong.vlm.schema import VLMRunConfig
 
-    data, proc = write_loong_data(shape, args, tmp)
+    data, proc = write_loong_data(shape, args, tmp, packed)
     gpu = torch.cuda.is_available()
     overrides = [f"model={LOONG_PRESETS[shape.name]}", f"data.path={data}", f"data.processor={proc}",
-                 "data.packing=false", "data.valid_fraction=0", f"data.num_workers={4 if gpu else 0}",
+                 f"data.packing={str(packed).lower()}", "data.valid_fraction=0", f"data.num_workers={4 if gpu else 0}",
                  f"train.seq_length={args.seq}", f"train.micro_batch_size={args.mbs}",
                  f"train.global_batch_size={args.gbs}", f"train.steps={args.steps}", f"train.lr={args.lr}",
                  f"train.min_lr={args.lr}", "train.warmup_steps=0", f"train.seed={args.seed}",
@@ -535,13 +556,22 @@ def _loong_row(shape: Shape, args: argparse.Namespace, tmp: Path, extra: list[st
                  f"output_dir={tmp / 'out'}", "run_name=loong", *extra]
     if args.profile:
         overrides.append(f"train.profile_steps=[{args.profile[0]},{args.profile[1]}]")
-    result = train(CONFIG_MODULE, CONFIG_NAME, overrides, VLMRunConfig)
+    said = io.StringIO()
+    with contextlib.redirect_stderr(_Tee(sys.stderr, said)):  # the data summary line: packing efficiency
+        result = train(CONFIG_MODULE, CONFIG_NAME, overrides, VLMRunConfig)
     recs = [json.loads(x) for x in (result.run_dir / "metrics.jsonl").read_text().splitlines()]
     recs = [r for r in recs if "train_loss" in r]
     times = [b["time"] - a["time"] for a, b in zip(recs, recs[1:], strict=False)]  # steps 2..n
     peak = max((r.get("peak_memory_gib") or 0.0) for r in recs) or None
     out = figures(shape, args, [times[0], *times], [r["train_loss"] for r in recs], peak)
     out["overrides"] = overrides
+    if packed:  # the real (non-padding) tokens of a step: gbs sequences of seq at the data's packing efficiency
+        found = re.search(r"packing efficiency ([0-9.]+)%", said.getvalue())
+        if found is None:
+            raise RuntimeError("the run printed no data summary with its packing efficiency")
+        out["packing_efficiency"] = float(found.group(1)) / 100
+        out["tokens_per_s"] = round(args.gbs * args.seq * out["packing_efficiency"] / out["s_per_step"], 1)
+        out.update(vit_patches_per_s=None, tflop_per_step=None, mfu=None)  # images of several sizes per step
     ops = result.run_dir / "profile" / "ops.txt"
     if ops.exists():
         out["profile_ops"] = ops.read_text().splitlines()[:45]
@@ -554,6 +584,26 @@ def _loong_bf16(shape: Shape, args: argparse.Namespace, tmp: Path) -> dict:
 
 def _loong_selective(shape: Shape, args: argparse.Namespace, tmp: Path) -> dict:
     return _loong_row(shape, args, tmp, ["foundation.recompute=selective"])
+
+
+def _loong_packed(shape: Shape, args: argparse.Namespace, tmp: Path) -> dict:
+    return _loong_row(shape, args, tmp, [], packed=True)
+
+
+class _Tee(io.TextIOBase):
+    """A stream writing to two: the row's stderr as usual, and a buffer the row reads back."""
+
+    def __init__(self, *streams: Any) -> None:
+        self.streams = streams
+
+    def write(self, text: str) -> int:
+        for stream in self.streams:
+            stream.write(text)
+        return len(text)
+
+    def flush(self) -> None:
+        for stream in self.streams:
+            stream.flush()
 
 
 #: the memory-lean overrides: megatron's selective recompute in the foundation, gradients kept in bf16
@@ -590,6 +640,7 @@ ROWS: dict[str, Row] = {
                     cpu="Liger's kernels are Triton GPU kernels (no CPU implementation)"),
     "loong_bf16": Row("Loong bf16 (loong-vlm train)", _loong_bf16),
     "loong_selective": Row("Loong bf16, foundation.recompute=selective", _loong_selective),
+    "loong_packed": Row("Loong bf16 packed, mixed sizes", _loong_packed),
     "loong_lean": Row("Loong bf16 lean", _loong_lean, cpu=_BF16_ONLY),
     "loong_fp8": Row("Loong FP8 tensorwise", _loong_fp8, cpu=_NO_FP8),
     "loong_fp8_lean": Row("Loong FP8 tensorwise lean", _loong_fp8_lean, cpu=_NO_FP8),
@@ -613,8 +664,9 @@ def _worker(args: argparse.Namespace) -> None:
 
 
 def _run(name: str, model: str, args: argparse.Namespace) -> dict:
-    cmd = [sys.executable, __file__, f"--worker={name}", f"--model={model}",
-           *[f"--{k.replace('_', '-')}={getattr(args, k)}" for k in SETTINGS],
+    settings = [f"--{k.replace('_', '-')}={getattr(args, k)}" for k in SETTINGS if k != "packed_sizes"]
+    cmd = [sys.executable, __file__, f"--worker={name}", f"--model={model}", *settings,
+           "--packed-sizes", *map(str, args.packed_sizes),
            *(["--profile", *map(str, args.profile)] if args.profile else [])]
     t0 = time.time()
     proc = run_child(cmd)
@@ -643,12 +695,13 @@ def table(rows: dict[str, dict], args: argparse.Namespace) -> list[str]:
                 lines.append(f"{label:<34}  {'skipped' if 'skipped' in r else 'failed'}: {why[:90]}")
                 continue
             mfu = f"{r['mfu']:.1%}" if r.get("mfu") is not None else "-"
+            patches = f"{r['vit_patches_per_s']:,.0f}" if r.get("vit_patches_per_s") is not None else "-"
             mem = f"{r['peak_memory_gib']:.1f}" if r.get("peak_memory_gib") is not None else "-"
             vs = f"{r['tokens_per_s'] / base['tokens_per_s']:.2f}x" if "tokens_per_s" in base else "-"
             mvs = (f"{r['peak_memory_gib'] / base['peak_memory_gib']:.2f}x"
                    if r.get("peak_memory_gib") and base.get("peak_memory_gib") else "-")
             lines.append(f"{label:<34}{r['s_per_step']:>8.3f}{r['tokens_per_s']:>10,.0f}"
-                         f"{r['vit_patches_per_s']:>11,.0f}{mfu:>7}{mem:>10}{r['loss_last']:>9.4f}{vs:>10}{mvs:>14}")
+                         f"{patches:>11}{mfu:>7}{mem:>10}{r['loss_last']:>9.4f}{vs:>10}{mvs:>14}")
     return lines
 
 
@@ -665,6 +718,9 @@ def main() -> None:
     p.add_argument("--gbs", type=int, default=8)
     p.add_argument("--steps", type=int, default=None, help="default: 14 published, 3 tiny")
     p.add_argument("--warmup", type=int, default=None, help="steps left out of the medians (default: 4 / 1)")
+    p.add_argument("--packed-sizes", type=int, nargs="+", default=None,
+                   help="image sides of the packed row's samples, each rounded down to a multiple of the family's "
+                        "patch x merge (default: 224 448 672 published, 112 224 tiny)")
     p.add_argument("--lr", type=float, default=1e-5)
     p.add_argument("--seed", type=int, default=0, help="initialisation and data seed")
     p.add_argument("--profile", type=int, nargs=2, metavar=("START", "END"), default=None,
