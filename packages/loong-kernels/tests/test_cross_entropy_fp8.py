@@ -92,12 +92,13 @@ def test_fp8_rounds_the_gemms(interpret: None) -> None:
 
 def test_fp8_refusals(interpret: None) -> None:
     hidden, weight, labels = _inputs()
-    with pytest.raises(ValueError, match="needs its Triton path: vocabulary 72 not a multiple of 16"):
+    with pytest.raises(ValueError, match=r"fp8=True\): vocabulary 72 is not a multiple of 16"):
         fused_linear_cross_entropy(hidden, weight[:72], labels.clamp(max=71), backend="triton", fp8=True)
     with pytest.raises(ValueError, match="needs its Triton path"):
         fused_linear_cross_entropy(hidden, weight, labels, backend="reference", fp8=True)
     assert fp8_unsupported(4096, 128256) is None
-    assert fp8_unsupported(2050, 151936) == "hidden size 2050 not a multiple of 16 (torch._scaled_mm)"
+    assert fp8_unsupported(2050, 151936) == "hidden size 2050 is not a multiple of 16 (torch._scaled_mm)"
+    assert fp8_unsupported(2050, 100) == "hidden size 2050 and vocabulary 100 are not multiples of 16 (torch._scaled_mm)"
 
 
 def test_fp8_without_the_interpreter_on_cpu_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -142,7 +142,9 @@ def fp8_unsupported(hidden_size: int, vocab: int) -> str | None:
     """Why ``fp8=True`` cannot take an output layer of ``vocab x hidden_size`` (None: it can): ``torch._scaled_mm``
     needs both GEMMs' contraction and output dimensions to be multiples of 16."""
     bad = [f"{name} {v}" for name, v in (("hidden size", hidden_size), ("vocabulary", vocab)) if v % 16]
-    return f"{' and '.join(bad)} not a multiple of 16 (torch._scaled_mm)" if bad else None
+    if not bad:
+        return None
+    return f"{' and '.join(bad)} {'is not a multiple' if len(bad) == 1 else 'are not multiples'} of 16 (torch._scaled_mm)"
 
 
 def _chunks(h2: torch.Tensor, weight: torch.Tensor, lab: torch.Tensor, losses: torch.Tensor, scale: torch.Tensor,
@@ -366,7 +368,9 @@ def fused_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, label
     _check(hidden, weight, labels, reduction)
     why = _why_not(hidden, weight)
     if fp8:
-        why = why or fp8_unsupported(weight.shape[1], weight.shape[0])
+        shape_why = fp8_unsupported(weight.shape[1], weight.shape[0])
+        if shape_why is not None:
+            raise ValueError(f"fused_linear_cross_entropy(fp8=True): {shape_why}")
         if why is not None or backend == "reference" or not use_triton(backend, "fused_linear_cross_entropy",
                                                                       (hidden, weight, labels), why):
             raise ValueError(f"fused_linear_cross_entropy(fp8=True) needs its Triton path: "
