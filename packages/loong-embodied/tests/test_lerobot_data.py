@@ -299,3 +299,22 @@ def test_corrupt_video_and_shape_disagreeing_with_info(reach: SimpleNamespace, t
     # raised in a DataLoader worker, the error reaches the training process whole
     with pytest.raises(LoongError, match=message):
         next(iter(make_dataloader(reshaped, batch_size=2, shuffle=False, num_workers=1, timeout=60)))
+
+
+@pytest.mark.skipif(not hasattr(__import__("os"), "sched_getscheduler"), reason="Linux scheduling calls")
+def test_writing_videos_leaves_the_scheduling_policy_as_it_was(tmp_path: Path) -> None:
+    """SVT-AV1 makes the thread that encodes ``SCHED_FIFO`` 99 when run as root (it was: every later gloo launch of
+    the test run inherited it and livelocked); the writer puts the policy back, and :func:`keep_scheduling` restores
+    what a block changed."""
+    import os
+
+    from loong.embodied.data.synthetic import keep_scheduling, write_reach_dataset
+
+    before = (os.sched_getscheduler(0), os.sched_getparam(0).sched_priority)
+    write_reach_dataset(tmp_path / "video", num_episodes=1, image_size=32, progress=False)
+    assert (os.sched_getscheduler(0), os.sched_getparam(0).sched_priority) == before
+    if os.geteuid() == 0 and before[0] == os.SCHED_OTHER:  # only root may raise a thread to real time
+        with keep_scheduling():
+            os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(50))
+            assert os.sched_getscheduler(0) == os.SCHED_FIFO
+        assert (os.sched_getscheduler(0), os.sched_getparam(0).sched_priority) == before

@@ -126,8 +126,36 @@ def _quiet_writers() -> Iterator[None]:
             datasets.enable_progress_bars()
 
 
+@contextlib.contextmanager
+def keep_scheduling() -> Iterator[None]:
+    """Restore the calling thread's scheduling policy and priority on exit.
+
+    Why: SVT-AV1 (lerobot's default video encoder, bundled in PyAV's wheels) moves the thread that runs it to
+    ``SCHED_FIFO`` priority 99 when the process runs as root, and never back. Every thread and process started from
+    it afterwards inherits real-time priority: on a machine with few cores, two busy-waiting processes (gloo ranks,
+    DataLoader workers) then never yield and the rest starve (seen: a 4-rank CPU test that takes 105 s ran for
+    over 30 min). Without ``os.sched_getscheduler`` (not Linux) it does nothing."""
+    if not hasattr(os, "sched_getscheduler"):
+        yield
+        return
+    policy, param = os.sched_getscheduler(0), os.sched_getparam(0)
+    try:
+        yield
+    finally:
+        if (os.sched_getscheduler(0), os.sched_getparam(0).sched_priority) != (policy, param.sched_priority):
+            os.sched_setscheduler(0, policy, param)
+
+
 def _write(root: Path, *, num_episodes: int, seed: int, image_size: int, use_videos: bool, noise: float,
            max_steps: int, progress: bool, action_scale: float = 1.0) -> Path:
+    with keep_scheduling():
+        return _write_episodes(root, num_episodes=num_episodes, seed=seed, image_size=image_size,
+                               use_videos=use_videos, noise=noise, max_steps=max_steps, progress=progress,
+                               action_scale=action_scale)
+
+
+def _write_episodes(root: Path, *, num_episodes: int, seed: int, image_size: int, use_videos: bool, noise: float,
+                    max_steps: int, progress: bool, action_scale: float) -> Path:
     from lerobot.datasets.lerobot_dataset import LeRobotDataset
 
     dataset = LeRobotDataset.create(repo_id=REPO_ID, fps=FPS, features=reach_features(image_size, use_videos),
