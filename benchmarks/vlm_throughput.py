@@ -126,7 +126,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from _env import host, run_child, versions  # benchmarks/_env.py (run as scripts from the repo root)
 
@@ -556,9 +556,10 @@ def _loong_row(shape: Shape, args: argparse.Namespace, tmp: Path, extra: list[st
                  f"output_dir={tmp / 'out'}", "run_name=loong", *extra]
     if args.profile:
         overrides.append(f"train.profile_steps=[{args.profile[0]},{args.profile[1]}]")
-    said = io.StringIO()
-    with contextlib.redirect_stderr(_Tee(sys.stderr, said)):  # the data summary line: packing efficiency
+    said = io.StringIO()  # the packed row reads its packing efficiency from the run's data summary line
+    with contextlib.redirect_stderr(said) if packed else contextlib.nullcontext():
         result = train(CONFIG_MODULE, CONFIG_NAME, overrides, VLMRunConfig)
+    sys.stderr.write(said.getvalue())
     recs = [json.loads(x) for x in (result.run_dir / "metrics.jsonl").read_text().splitlines()]
     recs = [r for r in recs if "train_loss" in r]
     times = [b["time"] - a["time"] for a, b in zip(recs, recs[1:], strict=False)]  # steps 2..n
@@ -588,22 +589,6 @@ def _loong_selective(shape: Shape, args: argparse.Namespace, tmp: Path) -> dict:
 
 def _loong_packed(shape: Shape, args: argparse.Namespace, tmp: Path) -> dict:
     return _loong_row(shape, args, tmp, [], packed=True)
-
-
-class _Tee(io.TextIOBase):
-    """A stream writing to two: the row's stderr as usual, and a buffer the row reads back."""
-
-    def __init__(self, *streams: Any) -> None:
-        self.streams = streams
-
-    def write(self, text: str) -> int:
-        for stream in self.streams:
-            stream.write(text)
-        return len(text)
-
-    def flush(self) -> None:
-        for stream in self.streams:
-            stream.flush()
 
 
 #: the memory-lean overrides: megatron's selective recompute in the foundation, the ViT's blocks recomputed (about
